@@ -1,0 +1,262 @@
+//! The one argument parser every command uses: a cursor over the command's arguments
+//! that reads keys, bounded numbers and options, and names the offending argument in
+//! its error. It reads bytes through `ArgList`, so the module hands it Redis's strings
+//! without copying and tests hand it plain slices.
+
+use std::fmt;
+
+/// A command's arguments, the command name at index 0.
+pub trait ArgList {
+    fn len(&self) -> usize;
+    fn get(&self, index: usize) -> &[u8];
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl ArgList for [&[u8]] {
+    fn len(&self) -> usize {
+        <[&[u8]]>::len(self)
+    }
+    fn get(&self, index: usize) -> &[u8] {
+        self[index]
+    }
+}
+
+/// Why a command's arguments were refused. Its `Display` is the whole error reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ArgError {
+    /// The command was given too few or too many arguments.
+    Arity,
+    /// `name` is not an integer within `min..=max`.
+    Integer {
+        name: &'static str,
+        min: i64,
+        max: i64,
+    },
+    /// `name` is not a finite decimal number within `min..=max`.
+    Number {
+        name: &'static str,
+        min: &'static str,
+        max: &'static str,
+    },
+    /// A word where an option was expected that is none of `expected`.
+    UnknownOption { expected: &'static str },
+}
+
+impl fmt::Display for ArgError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ArgError::Arity => write!(f, "ERR wrong number of arguments"),
+            ArgError::Integer { name, min, max } => {
+                write!(f, "ERR {name} must be an integer from {min} to {max}")
+            }
+            ArgError::Number { name, min, max } => {
+                write!(f, "ERR {name} must be a number from {min} to {max}")
+            }
+            ArgError::UnknownOption { expected } => {
+                write!(f, "ERR syntax error: expected {expected}")
+            }
+        }
+    }
+}
+
+/// A cursor over a command's arguments, starting after the command name.
+pub struct Args<'a, L: ArgList + ?Sized> {
+    list: &'a L,
+    next: usize,
+}
+
+impl<'a, L: ArgList + ?Sized> Args<'a, L> {
+    pub fn new(list: &'a L) -> Self {
+        Args { list, next: 1 }
+    }
+
+    /// Arguments not read yet.
+    pub fn remaining(&self) -> usize {
+        self.list.len().saturating_sub(self.next)
+    }
+
+    /// Fails with `Arity` unless the call has `min..=max` arguments after its name.
+    pub fn expect_count(&self, min: usize, max: usize) -> Result<(), ArgError> {
+        let n = self.remaining();
+        if n < min || n > max {
+            return Err(ArgError::Arity);
+        }
+        Ok(())
+    }
+
+    fn take(&mut self) -> Result<(usize, &'a [u8]), ArgError> {
+        if self.next >= self.list.len() {
+            return Err(ArgError::Arity);
+        }
+        let index = self.next;
+        self.next += 1;
+        Ok((index, self.list.get(index)))
+    }
+
+    /// A key: returns its index, which the module uses to open it.
+    pub fn key(&mut self) -> Result<usize, ArgError> {
+        self.take().map(|(index, _)| index)
+    }
+
+    /// An integer from `min` to `max`.
+    pub fn integer(&mut self, name: &'static str, min: i64, max: i64) -> Result<i64, ArgError> {
+        let (_, bytes) = self.take()?;
+        parse_integer(bytes)
+            .filter(|v| (min..=max).contains(v))
+            .ok_or(ArgError::Integer { name, min, max })
+    }
+
+    /// A finite number from `min` to `max`; the bounds are also given as text for the
+    /// error message.
+    pub fn number(
+        &mut self,
+        name: &'static str,
+        (min, min_text): (f64, &'static str),
+        (max, max_text): (f64, &'static str),
+    ) -> Result<f64, ArgError> {
+        let (_, bytes) = self.take()?;
+        parse_number(bytes)
+            .filter(|v| *v >= min && *v <= max)
+            .ok_or(ArgError::Number {
+                name,
+                min: min_text,
+                max: max_text,
+            })
+    }
+
+    /// The next option word, matched case-insensitively against `options`; returns its
+    /// position in `options`, or None when every argument has been read.
+    pub fn option(
+        &mut self,
+        options: &[&'static str],
+        expected: &'static str,
+    ) -> Result<Option<usize>, ArgError> {
+        if self.remaining() == 0 {
+            return Ok(None);
+        }
+        let (_, word) = self.take()?;
+        options
+            .iter()
+            .position(|o| o.as_bytes().eq_ignore_ascii_case(word))
+            .map(Some)
+            .ok_or(ArgError::UnknownOption { expected })
+    }
+}
+
+/// A decimal integer: an optional sign and ASCII digits only.
+pub fn parse_integer(bytes: &[u8]) -> Option<i64> {
+    std::str::from_utf8(bytes).ok()?.parse().ok()
+}
+
+/// A finite decimal number (no `inf`, no `nan`, nothing that overflows to them).
+pub fn parse_number(bytes: &[u8]) -> Option<f64> {
+    let value: f64 = std::str::from_utf8(bytes).ok()?.parse().ok()?;
+    value.is_finite().then_some(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn list<'a>(words: &'a [&'a str]) -> Vec<&'a [u8]> {
+        words.iter().map(|w| w.as_bytes()).collect()
+    }
+
+    #[test]
+    fn reads_keys_numbers_and_options_in_order() {
+        let words = list(&["CMD", "k", "5", "0.5", "cost", "3"]);
+        let mut a = Args::new(&words[..]);
+        assert_eq!(a.key(), Ok(1));
+        assert_eq!(a.integer("count", 1, 10), Ok(5));
+        assert_eq!(a.number("period", (0.1, "0.1"), (1.0, "1")), Ok(0.5));
+        assert_eq!(a.option(&["COST"], "COST n"), Ok(Some(0)));
+        assert_eq!(a.integer("cost", 1, 10), Ok(3));
+        assert_eq!(a.option(&["COST"], "COST n"), Ok(None));
+    }
+
+    #[test]
+    fn integers_are_strict_and_bounded() {
+        for (text, ok) in [
+            ("1", Some(1)),
+            ("-3", Some(-3)),
+            ("9223372036854775807", Some(i64::MAX)),
+            ("9223372036854775808", None),
+            ("1.0", None),
+            ("1e3", None),
+            (" 1", None),
+            ("", None),
+            ("0x10", None),
+            ("one", None),
+        ] {
+            assert_eq!(parse_integer(text.as_bytes()), ok, "{text:?}");
+        }
+        let words = list(&["CMD", "0", "11"]);
+        let mut a = Args::new(&words[..]);
+        let err = ArgError::Integer {
+            name: "count",
+            min: 1,
+            max: 10,
+        };
+        assert_eq!(a.integer("count", 1, 10), Err(err.clone()));
+        assert_eq!(a.integer("count", 1, 10), Err(err.clone()));
+        assert_eq!(err.to_string(), "ERR count must be an integer from 1 to 10");
+    }
+
+    #[test]
+    fn numbers_are_finite() {
+        for text in [
+            "nan", "NaN", "inf", "-inf", "infinity", "1e309", "", "1,5", "\u{ff}",
+        ] {
+            assert_eq!(parse_number(text.as_bytes()), None, "{text:?}");
+        }
+        assert_eq!(parse_number(b"1e-3"), Some(0.001));
+        assert_eq!(parse_number(b"60"), Some(60.0));
+        assert_eq!(parse_number(&[0xff, 0xfe]), None);
+    }
+
+    #[test]
+    fn running_out_of_arguments_is_an_arity_error() {
+        let words = list(&["CMD", "k"]);
+        let mut a = Args::new(&words[..]);
+        assert_eq!(a.expect_count(3, 5), Err(ArgError::Arity));
+        a.key().unwrap();
+        assert_eq!(a.integer("count", 1, 2), Err(ArgError::Arity));
+        assert_eq!(ArgError::Arity.to_string(), "ERR wrong number of arguments");
+    }
+
+    #[test]
+    fn unknown_options_are_refused() {
+        let words = list(&["CMD", "COSTS"]);
+        let mut a = Args::new(&words[..]);
+        assert_eq!(
+            a.option(&["COST"], "COST n"),
+            Err(ArgError::UnknownOption { expected: "COST n" })
+        );
+    }
+
+    proptest! {
+        /// Any bytes at all: the parser answers, it never panics.
+        #[test]
+        fn any_arguments_get_an_answer(words in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..24), 0..8)) {
+            let list: Vec<&[u8]> = words.iter().map(|w| &w[..]).collect();
+            let mut a = Args::new(&list[..]);
+            let _ = a.key();
+            let _ = a.integer("n", i64::MIN, i64::MAX);
+            let _ = a.number("x", (f64::MIN, "min"), (f64::MAX, "max"));
+            while let Ok(Some(_)) = a.option(&["COST"], "COST n") {}
+        }
+
+        #[test]
+        fn integers_round_trip(v in any::<i64>()) {
+            prop_assert_eq!(parse_integer(v.to_string().as_bytes()), Some(v));
+        }
+
+        #[test]
+        fn finite_numbers_round_trip(v in proptest::num::f64::NORMAL | proptest::num::f64::SUBNORMAL | proptest::num::f64::ZERO) {
+            prop_assert_eq!(parse_number(v.to_string().as_bytes()), Some(v));
+        }
+    }
+}

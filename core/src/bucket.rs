@@ -1,0 +1,540 @@
+//! The token bucket of `lua/token_bucket.lua`, step for step.
+//!
+//! Every operation is done in `f64` in the script's order, so that the module and the
+//! script compute the same bits from the same stored fields and the same clock.
+
+use crate::args::{ArgError, ArgList, Args};
+
+/// A bucket's limit: `count` tokens, refilled at `count` per `period` seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limit {
+    pub count: f64,
+    pub period: f64,
+}
+
+/// What the bucket's hash holds: fields `tokens` and `ts` (Unix seconds).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct State {
+    pub tokens: f64,
+    pub ts: f64,
+}
+
+/// The three integers a TAKE answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    pub allowed: bool,
+    /// floor(tokens left after the call).
+    pub tokens_left: i64,
+    /// Whole seconds until `cost` fits, 0 when allowed, -1 when it never fits.
+    pub retry_after: i64,
+}
+
+impl Verdict {
+    pub fn as_reply(&self) -> [i64; 3] {
+        [i64::from(self.allowed), self.tokens_left, self.retry_after]
+    }
+}
+
+/// The outcome of one take: the verdict and the state to write back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Take {
+    pub verdict: Verdict,
+    pub state: State,
+}
+
+impl Limit {
+    fn rate(&self) -> f64 {
+        self.count / self.period
+    }
+}
+
+/// Takes `cost` tokens from a bucket whose hash held `stored` (None when a field is
+/// missing or not a finite number), at `now` seconds since the Unix epoch.
+pub fn take(limit: Limit, cost: f64, stored: Option<State>, now: f64) -> Take {
+    let State { tokens, ts } = stored.unwrap_or(State {
+        tokens: limit.count,
+        ts: now,
+    });
+    let rate = limit.rate();
+    let elapsed = lua_max(0.0, now - ts);
+    let mut tokens = lua_min(limit.count, tokens + elapsed * rate);
+    let verdict = if tokens >= cost {
+        tokens -= cost;
+        Verdict {
+            allowed: true,
+            tokens_left: 0,
+            retry_after: 0,
+        }
+    } else if cost > limit.count {
+        Verdict {
+            allowed: false,
+            tokens_left: 0,
+            retry_after: -1,
+        }
+    } else {
+        Verdict {
+            allowed: false,
+            tokens_left: 0,
+            retry_after: ((cost - tokens) / rate).ceil() as i64,
+        }
+    };
+    Take {
+        verdict: Verdict {
+            tokens_left: tokens.floor() as i64,
+            ..verdict
+        },
+        state: State {
+            tokens,
+            ts: lua_max(ts, now),
+        },
+    }
+}
+
+/// Lua 5.1's math.max: the first argument unless a later one compares greater, so a
+/// NaN argument never wins.
+fn lua_max(a: f64, b: f64) -> f64 {
+    if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+/// Lua 5.1's math.min, the mirror of `lua_max`.
+fn lua_min(a: f64, b: f64) -> f64 {
+    if b < a {
+        b
+    } else {
+        a
+    }
+}
+
+/// Seconds since the Unix epoch as the script computes them from TIME:
+/// seconds + microseconds / 1e6.
+pub fn seconds_from_micros(micros: i64) -> f64 {
+    (micros.div_euclid(1_000_000)) as f64 + (micros.rem_euclid(1_000_000)) as f64 / 1e6
+}
+
+/// The absolute expiry (Unix milliseconds) the script's `EXPIRE key ceil(period)` sets
+/// when run at `now_micros`.
+pub fn expire_at_millis(now_micros: i64, period: f64) -> i64 {
+    let ttl_millis = (period.ceil() as i64).saturating_mul(1000);
+    now_micros.div_euclid(1000).saturating_add(ttl_millis)
+}
+
+/// Reads a stored field the way the script does: a finite decimal number, else nothing.
+pub fn parse_field(bytes: &[u8]) -> Option<f64> {
+    let text = std::str::from_utf8(bytes).ok()?.trim_ascii();
+    let value: f64 = text.parse().ok()?;
+    value.is_finite().then_some(value)
+}
+
+/// Reads both fields; a bucket with either missing or unreadable counts as full.
+pub fn parse_state(tokens: Option<&[u8]>, ts: Option<&[u8]>) -> Option<State> {
+    Some(State {
+        tokens: parse_field(tokens?)?,
+        ts: parse_field(ts?)?,
+    })
+}
+
+/// Largest count: every integer up to 2^53 is exact in an f64.
+pub const COUNT_MAX: i64 = 1 << 53;
+/// Period bounds in seconds: the clock's resolution, and about 317 years.
+pub const PERIOD_MIN: (f64, &str) = (1e-6, "0.000001");
+pub const PERIOD_MAX: (f64, &str) = (1e10, "10000000000");
+
+/// `count period` of one bucket.
+pub fn parse_limit<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<Limit, ArgError> {
+    let count = args.integer("count", 1, COUNT_MAX)?;
+    let period = args.number("period", PERIOD_MIN, PERIOD_MAX)?;
+    Ok(Limit {
+        count: count as f64,
+        period,
+    })
+}
+
+/// The trailing `[COST n]`, 1 when absent.
+pub fn parse_cost<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<f64, ArgError> {
+    if args.option(&["COST"], "COST n")?.is_none() {
+        return Ok(1.0);
+    }
+    Ok(args.integer("cost", 1, i64::MAX)? as f64)
+}
+
+/// QAG.TAKE and QAG.PEEK: `key count period [COST n]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TakeArgs {
+    pub key: usize,
+    pub limit: Limit,
+    pub cost: f64,
+}
+
+pub fn parse_take<L: ArgList + ?Sized>(list: &L) -> Result<TakeArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(3, 5)?;
+    let key = args.key()?;
+    let limit = parse_limit(&mut args)?;
+    let cost = parse_cost(&mut args)?;
+    Ok(TakeArgs { key, limit, cost })
+}
+
+/// QAG.TAKE2: `ckey ccount cperiod kkey kcount kperiod [COST n]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TakePairArgs {
+    pub client: TakeArgs,
+    pub key: TakeArgs,
+}
+
+pub fn parse_take_pair<L: ArgList + ?Sized>(list: &L) -> Result<TakePairArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(6, 8)?;
+    let client_key = args.key()?;
+    let client_limit = parse_limit(&mut args)?;
+    let key_key = args.key()?;
+    let key_limit = parse_limit(&mut args)?;
+    let cost = parse_cost(&mut args)?;
+    Ok(TakePairArgs {
+        client: TakeArgs {
+            key: client_key,
+            limit: client_limit,
+            cost,
+        },
+        key: TakeArgs {
+            key: key_key,
+            limit: key_limit,
+            cost,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const NOW: f64 = 1_764_441_000.25;
+
+    fn parse<T>(f: impl Fn(&[&[u8]]) -> Result<T, ArgError>, words: &str) -> Result<T, String> {
+        let list: Vec<&[u8]> = words.split(' ').map(str::as_bytes).collect();
+        f(&list[..]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn take_arguments() {
+        let t = parse(|l| parse_take(l), "TAKE k 60 60").unwrap();
+        assert_eq!((t.key, t.limit, t.cost), (1, limit(60.0, 60.0), 1.0));
+        let t = parse(|l| parse_take(l), "TAKE k 1 0.5 cost 7").unwrap();
+        assert_eq!((t.limit, t.cost), (limit(1.0, 0.5), 7.0));
+        let t = parse(|l| parse_take(l), "TAKE k 9007199254740992 10000000000").unwrap();
+        assert_eq!(t.limit, limit(9007199254740992.0, 1e10));
+        for (words, error) in [
+            ("TAKE k 60", "ERR wrong number of arguments"),
+            ("TAKE k 60 60 COST 1 COST", "ERR wrong number of arguments"),
+            (
+                "TAKE k 0 60",
+                "ERR count must be an integer from 1 to 9007199254740992",
+            ),
+            (
+                "TAKE k -1 60",
+                "ERR count must be an integer from 1 to 9007199254740992",
+            ),
+            (
+                "TAKE k 9007199254740993 60",
+                "ERR count must be an integer from 1 to 9007199254740992",
+            ),
+            (
+                "TAKE k 1.5 60",
+                "ERR count must be an integer from 1 to 9007199254740992",
+            ),
+            (
+                "TAKE k x 60",
+                "ERR count must be an integer from 1 to 9007199254740992",
+            ),
+            (
+                "TAKE k 60 0",
+                "ERR period must be a number from 0.000001 to 10000000000",
+            ),
+            (
+                "TAKE k 60 -1",
+                "ERR period must be a number from 0.000001 to 10000000000",
+            ),
+            (
+                "TAKE k 60 nan",
+                "ERR period must be a number from 0.000001 to 10000000000",
+            ),
+            (
+                "TAKE k 60 inf",
+                "ERR period must be a number from 0.000001 to 10000000000",
+            ),
+            (
+                "TAKE k 60 1e400",
+                "ERR period must be a number from 0.000001 to 10000000000",
+            ),
+            (
+                "TAKE k 60 60 COST 0",
+                "ERR cost must be an integer from 1 to 9223372036854775807",
+            ),
+            (
+                "TAKE k 60 60 COST 99999999999999999999",
+                "ERR cost must be an integer from 1 to 9223372036854775807",
+            ),
+            ("TAKE k 60 60 PRICE 2", "ERR syntax error: expected COST n"),
+            ("TAKE k 60 60 COST", "ERR wrong number of arguments"),
+        ] {
+            assert_eq!(
+                parse(|l| parse_take(l), words).err().as_deref(),
+                Some(error),
+                "{words}"
+            );
+        }
+    }
+
+    #[test]
+    fn take_pair_arguments() {
+        let p = parse(|l| parse_take_pair(l), "TAKE2 c 10 1 k 60 60 COST 2").unwrap();
+        assert_eq!(
+            (p.client.key, p.client.limit, p.client.cost),
+            (1, limit(10.0, 1.0), 2.0)
+        );
+        assert_eq!(
+            (p.key.key, p.key.limit, p.key.cost),
+            (4, limit(60.0, 60.0), 2.0)
+        );
+        for (words, error) in [
+            ("TAKE2 c 10 1 k 60", "ERR wrong number of arguments"),
+            (
+                "TAKE2 c 10 1 k 60 60 COST 1 COST 2",
+                "ERR wrong number of arguments",
+            ),
+            (
+                "TAKE2 c 10 1 k 60 60 X 1",
+                "ERR syntax error: expected COST n",
+            ),
+            (
+                "TAKE2 c 10 1 k 0 60",
+                "ERR count must be an integer from 1 to 9007199254740992",
+            ),
+        ] {
+            assert_eq!(
+                parse(|l| parse_take_pair(l), words).err().as_deref(),
+                Some(error),
+                "{words}"
+            );
+        }
+    }
+
+    fn limit(count: f64, period: f64) -> Limit {
+        Limit { count, period }
+    }
+
+    #[test]
+    fn a_missing_bucket_is_full() {
+        let t = take(limit(10.0, 60.0), 1.0, None, NOW);
+        assert_eq!(t.verdict.as_reply(), [1, 9, 0]);
+        assert_eq!(
+            t.state,
+            State {
+                tokens: 9.0,
+                ts: NOW
+            }
+        );
+    }
+
+    #[test]
+    fn a_burst_of_exactly_count_then_refusal_with_retry() {
+        let l = limit(5.0, 60.0);
+        let mut state = None;
+        for left in (0..5).rev() {
+            let t = take(l, 1.0, state, NOW);
+            assert_eq!(t.verdict.as_reply(), [1, left, 0]);
+            state = Some(t.state);
+        }
+        let t = take(l, 1.0, state, NOW);
+        // 5 tokens a minute: one token every 12 s.
+        assert_eq!(t.verdict.as_reply(), [0, 0, 12]);
+        assert_eq!(
+            t.state,
+            State {
+                tokens: 0.0,
+                ts: NOW
+            }
+        );
+    }
+
+    #[test]
+    fn refill_is_linear_and_capped_at_count() {
+        let l = limit(10.0, 10.0);
+        let empty = Some(State {
+            tokens: 0.0,
+            ts: NOW,
+        });
+        let t = take(l, 1.0, empty, NOW + 2.5);
+        assert_eq!(t.verdict.as_reply(), [1, 1, 0]);
+        assert_eq!(t.state.tokens, 1.5);
+        let t = take(l, 1.0, empty, NOW + 1_000.0);
+        assert_eq!(t.verdict.as_reply(), [1, 9, 0]);
+    }
+
+    #[test]
+    fn retry_is_the_whole_seconds_until_cost_fits() {
+        let l = limit(10.0, 100.0); // 0.1 token/s
+        let t = take(
+            l,
+            3.0,
+            Some(State {
+                tokens: 1.05,
+                ts: NOW,
+            }),
+            NOW,
+        );
+        // (3 - 1.05) / 0.1 = 19.5 s -> 20.
+        assert_eq!(t.verdict.as_reply(), [0, 1, 20]);
+        assert_eq!(t.state.tokens, 1.05, "a refusal spends nothing");
+    }
+
+    #[test]
+    fn cost_larger_than_count_never_fits() {
+        let t = take(limit(3.0, 1.0), 4.0, None, NOW);
+        assert_eq!(t.verdict.as_reply(), [0, 3, -1]);
+        assert_eq!(t.state.tokens, 3.0);
+    }
+
+    #[test]
+    fn a_stored_time_ahead_of_the_clock_mints_nothing_and_stays() {
+        let ahead = State {
+            tokens: 2.0,
+            ts: NOW + 100.0,
+        };
+        let t = take(limit(10.0, 1.0), 1.0, Some(ahead), NOW);
+        assert_eq!(t.verdict.as_reply(), [1, 1, 0]);
+        assert_eq!(
+            t.state,
+            State {
+                tokens: 1.0,
+                ts: NOW + 100.0
+            }
+        );
+    }
+
+    #[test]
+    fn a_lowered_count_caps_stored_tokens() {
+        let t = take(
+            limit(5.0, 1.0),
+            1.0,
+            Some(State {
+                tokens: 50.0,
+                ts: NOW,
+            }),
+            NOW,
+        );
+        assert_eq!(t.verdict.as_reply(), [1, 4, 0]);
+    }
+
+    #[test]
+    fn seconds_match_the_scripts_time_arithmetic() {
+        let micros = 1_764_441_000_123_456_i64;
+        assert_eq!(
+            seconds_from_micros(micros),
+            1_764_441_000.0 + 123_456.0 / 1e6
+        );
+        assert_eq!(seconds_from_micros(-1), -1.0 + 999_999.0 / 1e6);
+    }
+
+    #[test]
+    fn expiry_is_ceil_period_after_now() {
+        assert_eq!(expire_at_millis(1_000_000_500, 60.0), 1_000_000 + 60_000);
+        assert_eq!(expire_at_millis(1_000_000_500, 0.25), 1_000_000 + 1_000);
+        assert_eq!(
+            expire_at_millis(1_000_000_500, 1e10),
+            1_000_000 + 10_000_000_000_000
+        );
+    }
+
+    #[test]
+    fn fields_must_be_finite_numbers() {
+        assert_eq!(parse_field(b"1.5"), Some(1.5));
+        assert_eq!(parse_field(b" 7 "), Some(7.0));
+        // Redis 7.0 writes a script's numbers with 17 significant digits.
+        assert_eq!(
+            parse_field(b"1764441000.1234560013"),
+            Some(1_764_441_000.0 + 123_456.0 / 1e6)
+        );
+        for bad in [
+            &b""[..],
+            b"abc",
+            b"nan",
+            b"inf",
+            b"-inf",
+            b"1e999",
+            b"\xff",
+            b"1,5",
+        ] {
+            assert_eq!(parse_field(bad), None, "{bad:?}");
+        }
+        assert_eq!(parse_state(Some(b"1"), None), None);
+        assert_eq!(parse_state(Some(b"x"), Some(b"1")), None);
+        assert_eq!(
+            parse_state(Some(b"1"), Some(b"2")),
+            Some(State {
+                tokens: 1.0,
+                ts: 2.0
+            })
+        );
+    }
+
+    proptest! {
+        /// Whatever the stored fields, the clock and the (validated) limits, the result
+        /// is finite, never exceeds count, and a refusal spends nothing.
+        #[test]
+        fn take_is_total_and_sound(
+            count in 1u64..=(1u64 << 53),
+            period in 1e-6f64..=1e10,
+            cost in 1u64..=u64::MAX >> 1,
+            tokens in proptest::num::f64::NORMAL | proptest::num::f64::ZERO,
+            ts in proptest::num::f64::NORMAL | proptest::num::f64::ZERO,
+            stored in any::<bool>(),
+            now in 0.0f64..4e9,
+        ) {
+            let (count, cost) = (count as f64, cost as f64);
+            let state = stored.then_some(State { tokens, ts });
+            let t = take(Limit { count, period }, cost, state, now);
+            prop_assert!(t.state.tokens.is_finite());
+            prop_assert!(t.state.tokens <= count);
+            prop_assert!(t.state.ts >= now);
+            let v = t.verdict;
+            if v.allowed {
+                prop_assert_eq!(v.retry_after, 0);
+            } else if cost > count {
+                prop_assert_eq!(v.retry_after, -1);
+            } else {
+                prop_assert!(v.retry_after >= 0);
+                let before = take(Limit { count, period }, 0.0, state, now);
+                prop_assert_eq!(before.state.tokens, t.state.tokens);
+            }
+        }
+
+        /// Spending in one call or refilling for elapsed time never yields more than
+        /// count + elapsed * rate tokens in total.
+        #[test]
+        fn never_more_than_the_refill_allows(
+            count in 1u64..1000,
+            period in 0.01f64..1000.0,
+            steps in proptest::collection::vec((0.0f64..5.0, 1u64..5), 1..60),
+        ) {
+            let limit = Limit { count: count as f64, period };
+            let mut now = NOW;
+            let mut state = None;
+            let mut spent = 0.0;
+            for (dt, cost) in steps {
+                now += dt;
+                let t = take(limit, cost as f64, state, now);
+                if t.verdict.allowed {
+                    spent += cost as f64;
+                }
+                state = Some(t.state);
+            }
+            let budget = limit.count + (now - NOW) * limit.count / period;
+            prop_assert!(spent <= budget + 1e-6, "spent {} budget {}", spent, budget);
+        }
+    }
+}

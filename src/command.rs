@@ -1,0 +1,323 @@
+//! What every qag command shares: the entry point Redis calls, the guard that turns a
+//! panic into an error reply, the reply path, the server clock, replication, and
+//! registration with key specs and docs.
+
+use std::ffi::{c_int, c_longlong, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr;
+
+use qag_core::args::{ArgError, ArgList};
+use redis_module::commands::{get_redis_key_spec, BeginSearch, FindKeys, KeySpec, KeySpecFlags};
+use redis_module::raw;
+
+/// The context of one command call.
+pub struct Ctx(*mut raw::RedisModuleCtx);
+
+/// A command's arguments as Redis passed them; read in place, never copied.
+pub struct RawArgs {
+    argv: *mut *mut raw::RedisModuleString,
+    argc: usize,
+}
+
+/// A reply, written only after the command has done all its work, so that a failure
+/// can never leave half a reply on the wire.
+pub enum Reply {
+    /// An array of integers, e.g. a TAKE's [allowed, tokens left, retry after].
+    Integers([i64; 3]),
+    /// Two TAKE replies, the second null when that bucket was not counted.
+    Pair([i64; 3], Option<[i64; 3]>),
+}
+
+/// Why a command refused to run; nothing was written.
+pub enum CommandError {
+    Arg(ArgError),
+    WrongType,
+}
+
+impl From<ArgError> for CommandError {
+    fn from(e: ArgError) -> Self {
+        CommandError::Arg(e)
+    }
+}
+
+/// Which arguments are keys, for the server's ACL checks and cluster routing.
+pub enum KeyLayout {
+    /// One key at argument 1.
+    Single,
+    /// Keys at arguments 1 and 4 (TAKE2's client and key buckets).
+    FirstAndFourth,
+}
+
+/// A qag command.
+pub trait Command {
+    /// The name clients call, in lower case as Redis lists commands.
+    const NAME: &'static CStr;
+    const FLAGS: &'static CStr;
+    /// As Redis defines arity: positive is exact, negative is a minimum.
+    const ARITY: c_int;
+    const KEYS: KeyLayout;
+    /// Whether the keys are written (else only read).
+    const WRITES: bool;
+    const SUMMARY: &'static CStr;
+    const COMPLEXITY: &'static CStr;
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError>;
+}
+
+impl ArgList for RawArgs {
+    fn len(&self) -> usize {
+        self.argc
+    }
+
+    fn get(&self, index: usize) -> &[u8] {
+        // SAFETY: the call's argv strings live for the whole call, longer than `self`.
+        unsafe { string_bytes(self.string(index)) }
+    }
+}
+
+/// The bytes of a Redis string, read in place.
+///
+/// # Safety
+/// `s` must be a live string that outlives the returned slice and is not modified
+/// meanwhile.
+pub unsafe fn string_bytes<'a>(s: *const raw::RedisModuleString) -> &'a [u8] {
+    let mut len = 0usize;
+    let p = raw::RedisModule_StringPtrLen.unwrap()(s, &mut len);
+    if p.is_null() {
+        return &[];
+    }
+    std::slice::from_raw_parts(p.cast::<u8>(), len)
+}
+
+impl RawArgs {
+    /// The Redis string of argument `index`; the parser has checked it exists.
+    pub fn string(&self, index: usize) -> *mut raw::RedisModuleString {
+        assert!(index < self.argc, "argument {index} of {}", self.argc);
+        // SAFETY: index < argc, the length of argv.
+        unsafe { *self.argv.add(index) }
+    }
+}
+
+impl Ctx {
+    pub fn raw(&self) -> *mut raw::RedisModuleCtx {
+        self.0
+    }
+
+    /// The server's wall clock in microseconds since the Unix epoch: the time cached
+    /// for this command where the server offers it (7.2 and later), else
+    /// CLOCK_REALTIME, the clock TIME reads.
+    pub fn now_micros(&self) -> i64 {
+        // SAFETY: the API table is filled in at load and never changes afterwards.
+        if let Some(cached) = unsafe { raw::RedisModule_CachedMicroseconds } {
+            return unsafe { cached() };
+        }
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid timespec to fill.
+        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+        ts.tv_sec * 1_000_000 + ts.tv_nsec / 1000
+    }
+
+    /// Replicates `HSET key f1 v1 f2 v2` to replicas and the AOF.
+    pub fn replicate_hset2(
+        &self,
+        key: *mut raw::RedisModuleString,
+        fields: [(&CStr, *mut raw::RedisModuleString); 2],
+    ) {
+        let [(f1, v1), (f2, v2)] = fields;
+        // SAFETY: a format of five arguments matched by five pointers that live
+        // through the call.
+        unsafe {
+            raw::RedisModule_Replicate.unwrap()(
+                self.0,
+                c"HSET".as_ptr(),
+                c"scscs".as_ptr(),
+                key,
+                f1.as_ptr(),
+                v1,
+                f2.as_ptr(),
+                v2,
+            );
+        }
+    }
+
+    /// Replicates `PEXPIREAT key at_millis`.
+    pub fn replicate_pexpireat(&self, key: *mut raw::RedisModuleString, at_millis: i64) {
+        // SAFETY: format "sl": one string, one long long.
+        unsafe {
+            raw::RedisModule_Replicate.unwrap()(
+                self.0,
+                c"PEXPIREAT".as_ptr(),
+                c"sl".as_ptr(),
+                key,
+                at_millis as c_longlong,
+            );
+        }
+    }
+
+    /// Fires a keyspace notification, as the equivalent plain command would.
+    pub fn notify(&self, class: c_int, event: &CStr, key: *mut raw::RedisModuleString) {
+        // SAFETY: valid context, event and key.
+        unsafe {
+            raw::RedisModule_NotifyKeyspaceEvent.unwrap()(self.0, class, event.as_ptr(), key)
+        };
+    }
+
+    fn reply_integers(&self, values: &[i64; 3]) {
+        // SAFETY: plain reply calls on the live context.
+        unsafe {
+            raw::RedisModule_ReplyWithArray.unwrap()(self.0, values.len() as _);
+            for v in values {
+                raw::RedisModule_ReplyWithLongLong.unwrap()(self.0, *v);
+            }
+        }
+    }
+
+    fn reply(&self, reply: Reply) {
+        match reply {
+            Reply::Integers(values) => self.reply_integers(&values),
+            Reply::Pair(first, second) => {
+                // SAFETY: plain reply calls on the live context.
+                unsafe { raw::RedisModule_ReplyWithArray.unwrap()(self.0, 2) };
+                self.reply_integers(&first);
+                match second {
+                    Some(values) => self.reply_integers(&values),
+                    // SAFETY: as above.
+                    None => unsafe {
+                        raw::RedisModule_ReplyWithNull.unwrap()(self.0);
+                    },
+                }
+            }
+        }
+    }
+
+    fn reply_error(&self, message: &str) {
+        // An error text never holds a NUL; should one appear, say so rather than fail.
+        let text = CString::new(message).unwrap_or_else(|_| c"ERR internal error".to_owned());
+        // SAFETY: a valid C string.
+        unsafe { raw::RedisModule_ReplyWithError.unwrap()(self.0, text.as_ptr()) };
+    }
+}
+
+/// The function Redis calls for command `C`: parses, runs and replies, and catches any
+/// panic so that it becomes an error reply instead of taking the server down.
+pub extern "C" fn invoke<C: Command>(
+    ctx: *mut raw::RedisModuleCtx,
+    argv: *mut *mut raw::RedisModuleString,
+    argc: c_int,
+) -> c_int {
+    let ctx = Ctx(ctx);
+    let args = RawArgs {
+        argv,
+        argc: usize::try_from(argc).unwrap_or(0),
+    };
+    match catch_unwind(AssertUnwindSafe(|| C::run(&ctx, &args))) {
+        Ok(Ok(reply)) => ctx.reply(reply),
+        Ok(Err(CommandError::Arg(ArgError::Arity))) => {
+            let name = C::NAME.to_string_lossy();
+            ctx.reply_error(&format!(
+                "ERR wrong number of arguments for '{name}' command"
+            ));
+        }
+        Ok(Err(CommandError::Arg(e))) => ctx.reply_error(&e.to_string()),
+        Ok(Err(CommandError::WrongType)) => {
+            ctx.reply_error("WRONGTYPE Operation against a key holding the wrong kind of value")
+        }
+        Err(_) => ctx.reply_error("ERR qag internal error; the command was aborted"),
+    }
+    raw::REDISMODULE_OK as c_int
+}
+
+/// The layout of the `RedisModuleCommandInfo` structures this module was built with.
+const COMMAND_INFO_VERSION: raw::RedisModuleCommandInfoVersion =
+    raw::RedisModuleCommandInfoVersion {
+        version: 1,
+        sizeof_historyentry: std::mem::size_of::<raw::RedisModuleCommandHistoryEntry>(),
+        sizeof_keyspec: std::mem::size_of::<raw::RedisModuleCommandKeySpec>(),
+        sizeof_arg: std::mem::size_of::<raw::RedisModuleCommandArg>(),
+    };
+
+/// Which optional server features registration could use, for the load log.
+#[derive(Default)]
+pub struct Features {
+    pub command_info: bool,
+}
+
+/// Registers command `C`: its flags and first/last/step keys everywhere, and key specs,
+/// arity and docs where the server has `RedisModule_SetCommandInfo` (7.0 and later).
+pub fn register<C: Command>(
+    ctx: *mut raw::RedisModuleCtx,
+    features: &mut Features,
+) -> Result<(), String> {
+    let name = C::NAME.to_string_lossy();
+    let (first, last, step) = match C::KEYS {
+        KeyLayout::Single => (1, 1, 1),
+        KeyLayout::FirstAndFourth => (1, 4, 3),
+    };
+    // SAFETY: called from OnLoad with the load context.
+    let created = unsafe {
+        raw::RedisModule_CreateCommand.unwrap()(
+            ctx,
+            C::NAME.as_ptr(),
+            Some(invoke::<C>),
+            C::FLAGS.as_ptr(),
+            first,
+            last,
+            step,
+        )
+    };
+    if created != raw::REDISMODULE_OK as c_int {
+        return Err(format!("could not create command {name}"));
+    }
+    // SAFETY: as above; these API entries are optional and checked for presence.
+    let (Some(get_command), Some(set_info)) = (unsafe { raw::RedisModule_GetCommand }, unsafe {
+        raw::RedisModule_SetCommandInfo
+    }) else {
+        return Ok(());
+    };
+    let command = unsafe { get_command(ctx, C::NAME.as_ptr()) };
+    if command.is_null() {
+        return Err(format!("could not find command {name} after creating it"));
+    }
+    let flag_bits = if C::WRITES {
+        (KeySpecFlags::READ_WRITE | KeySpecFlags::ACCESS | KeySpecFlags::UPDATE).bits()
+    } else {
+        (KeySpecFlags::READ_ONLY | KeySpecFlags::ACCESS).bits()
+    };
+    let positions: &[i32] = match C::KEYS {
+        KeyLayout::Single => &[1],
+        KeyLayout::FirstAndFourth => &[1, 4],
+    };
+    let mut key_specs = get_redis_key_spec(
+        positions
+            .iter()
+            .map(|&pos| {
+                KeySpec::new(
+                    None,
+                    KeySpecFlags::from_bits_retain(flag_bits),
+                    BeginSearch::new_index(pos),
+                    FindKeys::new_range(0, 1, 0),
+                )
+            })
+            .collect(),
+    );
+    let info = raw::RedisModuleCommandInfo {
+        version: &COMMAND_INFO_VERSION,
+        summary: C::SUMMARY.as_ptr(),
+        complexity: C::COMPLEXITY.as_ptr(),
+        since: c"0.1.0".as_ptr(),
+        history: ptr::null_mut(),
+        tips: ptr::null(),
+        arity: C::ARITY,
+        key_specs: key_specs.as_mut_ptr(),
+        args: ptr::null_mut(),
+    };
+    // SAFETY: `info` and what it points to outlive the call; Redis copies it.
+    if unsafe { set_info(command, &info) } != raw::REDISMODULE_OK as c_int {
+        return Err(format!("could not set the key specs and docs of {name}"));
+    }
+    features.command_info = true;
+    Ok(())
+}

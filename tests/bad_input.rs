@@ -1,0 +1,299 @@
+//! Every kind of bad input gets a clear error, changes nothing, and leaves the server
+//! answering.
+
+mod common;
+
+use common::*;
+use rand::{Rng, SeedableRng};
+
+const COUNT_ERROR: &str = "count must be an integer from 1 to 9007199254740992";
+const PERIOD_ERROR: &str = "period must be a number from 0.000001 to 10000000000";
+const COST_ERROR: &str = "cost must be an integer from 1 to 9223372036854775807";
+
+/// The error code (`ERR`, `WRONGTYPE`) and the whole text of a call that must fail.
+fn error_of(con: &mut Connection, args: &[&[u8]]) -> (String, String) {
+    let mut c = cmd(std::str::from_utf8(args[0]).unwrap());
+    for a in &args[1..] {
+        c.arg(*a);
+    }
+    match c.query::<Value>(con) {
+        Ok(v) => panic!(
+            "{:?} succeeded with {v:?}",
+            String::from_utf8_lossy(&args.concat())
+        ),
+        Err(e) => (e.code().unwrap_or_default().to_string(), e.to_string()),
+    }
+}
+
+/// The bad calls, each with what its error must say. `K` stands for an existing bucket,
+/// `H` for a second one, `S` for a string key.
+fn bad_calls() -> Vec<(Vec<&'static [u8]>, &'static str)> {
+    let take: &[u8] = b"QAG.TAKE";
+    let take2: &[u8] = b"QAG.TAKE2";
+    let peek: &[u8] = b"QAG.PEEK";
+    let mut calls: Vec<(Vec<&'static [u8]>, &'static str)> = vec![
+        (
+            vec![take],
+            "wrong number of arguments for 'qag.take' command",
+        ),
+        (vec![take, b"K"], "wrong number of arguments"),
+        (vec![take, b"K", b"5"], "wrong number of arguments"),
+        (
+            vec![take, b"K", b"5", b"60", b"COST"],
+            "wrong number of arguments",
+        ),
+        (
+            vec![take, b"K", b"5", b"60", b"COST", b"1", b"COST"],
+            "wrong number of arguments",
+        ),
+        (
+            vec![take, b"K", b"5", b"60", b"COST", b"1", b"COST", b"2"],
+            "wrong number of arguments",
+        ),
+        (
+            vec![take, b"K", b"5", b"60", b"WEIGHT", b"1"],
+            "syntax error: expected COST n",
+        ),
+        (
+            vec![take, b"K", b"5", b"60", b"", b"1"],
+            "syntax error: expected COST n",
+        ),
+        (vec![take, b"S", b"5", b"60"], "WRONGTYPE"),
+        (vec![peek, b"S", b"5", b"60"], "WRONGTYPE"),
+        (
+            vec![take2, b"S", b"5", b"60", b"K", b"5", b"60"],
+            "WRONGTYPE",
+        ),
+        (
+            vec![take2, b"K", b"5", b"60", b"S", b"5", b"60"],
+            "WRONGTYPE",
+        ),
+        (
+            vec![take2, b"K", b"5", b"60", b"H", b"5"],
+            "wrong number of arguments for 'qag.take2' command",
+        ),
+        (
+            vec![take2, b"K", b"5", b"60", b"H", b"5", b"0"],
+            PERIOD_ERROR,
+        ),
+        (
+            vec![take2, b"K", b"0", b"60", b"H", b"5", b"60"],
+            COUNT_ERROR,
+        ),
+        (
+            vec![take2, b"K", b"5", b"60", b"H", b"5", b"60", b"COST", b"0"],
+            COST_ERROR,
+        ),
+        (vec![peek, b"K", b"5", b"60", b"COST", b"-1"], COST_ERROR),
+        (
+            vec![peek, b"K"],
+            "wrong number of arguments for 'qag.peek' command",
+        ),
+    ];
+    let bad_counts: &[&[u8]] = &[
+        b"0",
+        b"-1",
+        b"1.5",
+        b"abc",
+        b"",
+        b"nan",
+        b"inf",
+        b"9007199254740993",
+        b"99999999999999999999999",
+        b"1e3",
+        b" 5",
+        b"5 ",
+        b"0x10",
+        b"\xff\xfe",
+        b"5\x00",
+    ];
+    for &count in bad_counts {
+        calls.push((vec![take, b"K", count, b"60"], COUNT_ERROR));
+        calls.push((vec![peek, b"K", count, b"60"], COUNT_ERROR));
+        calls.push((
+            vec![take2, b"K", b"5", b"60", b"H", count, b"60"],
+            COUNT_ERROR,
+        ));
+    }
+    let bad_periods: &[&[u8]] = &[
+        b"0",
+        b"-1",
+        b"-0",
+        b"nan",
+        b"NaN",
+        b"inf",
+        b"-inf",
+        b"infinity",
+        b"1e400",
+        b"1e-7",
+        b"10000000001",
+        b"",
+        b"abc",
+        b"1,5",
+        b"\xff",
+    ];
+    for &period in bad_periods {
+        calls.push((vec![take, b"K", b"5", period], PERIOD_ERROR));
+        calls.push((
+            vec![take2, b"K", b"5", period, b"H", b"5", b"60"],
+            PERIOD_ERROR,
+        ));
+    }
+    let bad_costs: &[&[u8]] = &[
+        b"0",
+        b"-5",
+        b"1.0",
+        b"x",
+        b"",
+        b"9223372036854775808",
+        b"nan",
+    ];
+    for &cost in bad_costs {
+        calls.push((vec![take, b"K", b"5", b"60", b"COST", cost], COST_ERROR));
+        calls.push((vec![take, b"K", b"5", b"60", b"cost", cost], COST_ERROR));
+    }
+    calls
+}
+
+fn substitute(t: &Target, args: &[&[u8]]) -> Vec<Vec<u8>> {
+    args.iter()
+        .map(|a| match *a {
+            b"K" => t.key("bucket").into_bytes(),
+            b"H" => t.key("other").into_bytes(),
+            b"S" => t.key("string").into_bytes(),
+            other => other.to_vec(),
+        })
+        .collect()
+}
+
+fn prepare(t: &Target, con: &mut Connection) -> Vec<(String, (Value, i64))> {
+    let bucket = t.key("bucket");
+    let other = t.key("other");
+    let string = t.key("string");
+    let _: Value = cmd("QAG.TAKE")
+        .arg(&bucket)
+        .arg(5)
+        .arg(60)
+        .query(con)
+        .unwrap();
+    let _: Value = cmd("QAG.TAKE")
+        .arg(&other)
+        .arg(5)
+        .arg(60)
+        .query(con)
+        .unwrap();
+    let _: () = cmd("SET")
+        .arg(&string)
+        .arg("not a bucket")
+        .arg("EX")
+        .arg(600)
+        .query(con)
+        .unwrap();
+    [bucket, other, string]
+        .into_iter()
+        .map(|k| (k.clone(), snapshot(con, &k)))
+        .collect()
+}
+
+#[test]
+fn every_bad_call_is_refused_clearly_and_changes_nothing() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let before = prepare(&t, &mut con);
+    for (args, expected) in bad_calls() {
+        let args = substitute(&t, &args);
+        let refs: Vec<&[u8]> = args.iter().map(|a| &a[..]).collect();
+        let (code, error) = error_of(&mut con, &refs);
+        let call = String::from_utf8_lossy(&refs.join(&b' ')).into_owned();
+        let expected_code = if expected == "WRONGTYPE" {
+            "WRONGTYPE"
+        } else {
+            "ERR"
+        };
+        assert_eq!(code, expected_code, "{call}: {error}");
+        assert!(
+            error.contains(expected),
+            "{call}: {error:?} lacks {expected:?}"
+        );
+    }
+    for (key, snap) in &before {
+        assert_eq!(&snapshot(&mut con, key), snap, "{key} changed");
+    }
+    t.assert_healthy();
+}
+
+/// Thousands of random argument vectors: every call is answered, none crashes or hangs
+/// the server, and a call that errs changes nothing.
+#[test]
+fn random_arguments_never_crash_the_server() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let before = prepare(&t, &mut con);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x9a9);
+    let words: Vec<Vec<u8>> = [
+        &b"0"[..],
+        b"1",
+        b"-1",
+        b"5",
+        b"60",
+        b"0.5",
+        b"1e-6",
+        b"1e10",
+        b"1e400",
+        b"nan",
+        b"inf",
+        b"-inf",
+        b"9007199254740992",
+        b"9007199254740993",
+        b"9223372036854775807",
+        b"9223372036854775808",
+        b"-9223372036854775808",
+        b"COST",
+        b"cost",
+        b"",
+        b" ",
+        b"\x00",
+        b"\xff\xfe\xfd",
+        b"\r\n",
+    ]
+    .iter()
+    .map(|w| w.to_vec())
+    .chain([vec![b'9'; 400], vec![b'x'; 70_000]])
+    .collect();
+    let commands: [&str; 3] = ["QAG.TAKE", "QAG.TAKE2", "QAG.PEEK"];
+    let keys = [t.key("bucket"), t.key("other"), t.key("string")];
+    let mut answered = 0;
+    for _ in 0..3000 {
+        let name = commands[rng.gen_range(0..commands.len())];
+        let mut c = cmd(name);
+        for _ in 0..rng.gen_range(0..10) {
+            let arg: Vec<u8> = match rng.gen_range(0..4) {
+                0 => keys[rng.gen_range(0..keys.len())].clone().into_bytes(),
+                1 => (0..rng.gen_range(0..12)).map(|_| rng.gen()).collect(),
+                _ => words[rng.gen_range(0..words.len())].clone(),
+            };
+            c.arg(arg);
+        }
+        let snapshots: Vec<_> = keys.iter().map(|k| snapshot(&mut con, k)).collect();
+        // Ok or a server error: either way an answer; an I/O error fails here.
+        match c.query::<Value>(&mut con) {
+            Ok(_) => {}
+            Err(e) => {
+                assert!(e.kind() != redis::ErrorKind::IoError, "{name}: {e}");
+                for (key, before) in keys.iter().zip(&snapshots) {
+                    assert_eq!(
+                        &snapshot(&mut con, key),
+                        before,
+                        "{name} erred ({e}) and changed {key}"
+                    );
+                }
+            }
+        }
+        answered += 1;
+    }
+    assert_eq!(answered, 3000);
+    // Valid calls may have written the buckets; the string key was never a bucket.
+    let (string_key, string_snapshot) = &before[2];
+    assert_eq!(&snapshot(&mut con, string_key), string_snapshot);
+    t.assert_healthy();
+}

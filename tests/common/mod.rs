@@ -1,0 +1,255 @@
+//! The integration tests' harness: a real server with the module loaded, started on a
+//! free loopback port and stopped on drop; or, when QAG_REDIS_URL is set, a server that
+//! is already running (tests that need servers of their own are then skipped).
+
+#![allow(dead_code)] // each test binary uses its own part of the harness
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub use redis::{cmd, Connection, Value};
+
+/// The token-bucket script, the reference QAG.TAKE must match.
+pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+
+/// A redis-server process of the test's own, killed on drop.
+pub struct Server {
+    child: Child,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+/// What a test talks to: its own server, or the external one.
+pub struct Target {
+    pub client: redis::Client,
+    pub server: Option<Server>,
+    prefix: String,
+}
+
+pub fn module_path() -> PathBuf {
+    std::env::var_os("QAG_MODULE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/release/libqag.so")
+        })
+}
+
+fn server_binary() -> String {
+    std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// Options for a server of the test's own.
+#[derive(Default, Clone)]
+pub struct ServerOptions {
+    /// Load the module (a replica may run without it: it only applies effects).
+    pub without_module: bool,
+    pub replica_of: Option<u16>,
+    pub extra: Vec<String>,
+}
+
+impl Server {
+    pub fn start(options: &ServerOptions) -> Server {
+        let module = module_path();
+        assert!(
+            options.without_module || module.exists(),
+            "{} is missing: build it with `cargo build --release`",
+            module.display()
+        );
+        for _attempt in 0..5 {
+            let port = free_port();
+            let dir = std::env::temp_dir().join(format!("qag-test-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create the server's directory");
+            let mut args: Vec<String> = vec![
+                "--port".into(),
+                port.to_string(),
+                "--bind".into(),
+                "127.0.0.1".into(),
+                "--dir".into(),
+                dir.display().to_string(),
+                "--save".into(),
+                "".into(),
+                "--appendonly".into(),
+                "no".into(),
+                "--logfile".into(),
+                dir.join("server.log").display().to_string(),
+            ];
+            if !options.without_module {
+                args.extend(["--loadmodule".into(), module.display().to_string()]);
+            }
+            if let Some(primary) = options.replica_of {
+                args.extend([
+                    "--replicaof".into(),
+                    "127.0.0.1".into(),
+                    primary.to_string(),
+                ]);
+            }
+            args.extend(options.extra.iter().cloned());
+            let child = Command::new(server_binary())
+                .args(&args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("start {}: {e}", server_binary()));
+            let mut server = Server { child, port, dir };
+            if server.wait_ready() {
+                return server;
+            }
+            // Most likely the port was taken between choosing and binding it: retry.
+        }
+        panic!("could not start {} after 5 attempts", server_binary());
+    }
+
+    fn wait_ready(&mut self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if let Ok(mut con) = self.client().get_connection() {
+                if cmd("PING").query::<String>(&mut con).is_ok() {
+                    return true;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(format!("redis://127.0.0.1:{}/", self.port)).expect("client")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
+    /// Whether the process is still running (it did not crash).
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+static NEXT_PREFIX: AtomicU32 = AtomicU32::new(0);
+
+impl Target {
+    /// The external server when QAG_REDIS_URL is set, else a server of the test's own.
+    pub fn new() -> Target {
+        let prefix = format!(
+            "qag:test:{}:{}:",
+            std::process::id(),
+            NEXT_PREFIX.fetch_add(1, Ordering::Relaxed)
+        );
+        match std::env::var("QAG_REDIS_URL") {
+            Ok(url) => Target {
+                client: redis::Client::open(url).expect("QAG_REDIS_URL is a redis:// URL"),
+                server: None,
+                prefix,
+            },
+            Err(_) => {
+                let server = Server::start(&ServerOptions::default());
+                Target {
+                    client: server.client(),
+                    server: Some(server),
+                    prefix,
+                }
+            }
+        }
+    }
+
+    pub fn con(&self) -> Connection {
+        self.client.get_connection().expect("connect")
+    }
+
+    /// A key name unique to this test, so tests may share an external server.
+    pub fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// Checks the server is up and, for a server of our own, that it never crashed.
+    pub fn assert_healthy(&mut self) {
+        let pong: String = cmd("PING")
+            .query(&mut self.con())
+            .expect("PING after the test");
+        assert_eq!(pong, "PONG");
+        if let Some(server) = self.server.as_mut() {
+            assert!(server.alive(), "server died:\n{}", server.log());
+        }
+    }
+}
+
+/// True when tests run against an external server; tests that need servers of their
+/// own say so and return.
+pub fn external(test: &str) -> bool {
+    let external = std::env::var_os("QAG_REDIS_URL").is_some();
+    if external {
+        eprintln!("{test}: skipped against QAG_REDIS_URL: it starts servers of its own");
+    }
+    external
+}
+
+/// A bucket's stored fields, parsed as the script parses them.
+pub fn bucket_fields(con: &mut Connection, key: &str) -> Option<(f64, f64)> {
+    let fields: Vec<Option<String>> = cmd("HMGET")
+        .arg(key)
+        .arg("tokens")
+        .arg("ts")
+        .query(con)
+        .unwrap();
+    match (&fields[0], &fields[1]) {
+        (Some(t), Some(ts)) => Some((t.parse().unwrap(), ts.parse().unwrap())),
+        _ => None,
+    }
+}
+
+/// Everything a key holds that a command could change: its fields and absolute expiry.
+pub fn snapshot(con: &mut Connection, key: &str) -> (Value, i64) {
+    let dump: Value = cmd("DUMP").arg(key).query(con).unwrap();
+    let expire: i64 = cmd("PEXPIRETIME").arg(key).query(con).unwrap();
+    (dump, expire)
+}
+
+/// The rule of the issue, written out independently of the module: given the stored
+/// state before a call and the clock of the call, the reply and the state after it.
+pub fn expected_take(
+    count: f64,
+    period: f64,
+    cost: f64,
+    before: Option<(f64, f64)>,
+    now: f64,
+) -> ([i64; 3], (f64, f64)) {
+    let (tokens, ts) = before.unwrap_or((count, now));
+    let rate = count / period;
+    let elapsed = if now - ts > 0.0 { now - ts } else { 0.0 };
+    let mut tokens = if tokens + elapsed * rate < count {
+        tokens + elapsed * rate
+    } else {
+        count
+    };
+    let (allowed, retry) = if tokens >= cost {
+        tokens -= cost;
+        (1, 0)
+    } else if cost > count {
+        (0, -1)
+    } else {
+        (0, ((cost - tokens) / rate).ceil() as i64)
+    };
+    let new_ts = if now > ts { now } else { ts };
+    ([allowed, tokens.floor() as i64, retry], (tokens, new_ts))
+}

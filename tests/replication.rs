@@ -1,0 +1,123 @@
+//! Effects replication: a replica (run without the module, so it can only apply plain
+//! commands) ends up with exactly the primary's fields and expiry times.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn all_keys(con: &mut Connection) -> Vec<String> {
+    let mut keys: Vec<String> = cmd("KEYS").arg("*").query(con).unwrap();
+    keys.sort();
+    keys
+}
+
+/// A key's name, sorted fields and absolute expiry in milliseconds.
+type KeyState = (String, Vec<(String, String)>, i64);
+
+fn state(con: &mut Connection) -> Vec<KeyState> {
+    all_keys(con)
+        .into_iter()
+        .map(|k| {
+            let mut fields: Vec<(String, String)> = cmd("HGETALL").arg(&k).query(con).unwrap();
+            fields.sort();
+            let expire: i64 = cmd("PEXPIRETIME").arg(&k).query(con).unwrap();
+            (k, fields, expire)
+        })
+        .collect()
+}
+
+#[test]
+fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
+    if external("replication") {
+        return;
+    }
+    let primary = Server::start(&ServerOptions::default());
+    let mut replica = Server::start(&ServerOptions {
+        without_module: true,
+        replica_of: Some(primary.port),
+        ..Default::default()
+    });
+    let mut p = primary.client().get_connection().unwrap();
+    let mut r = replica.client().get_connection().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info: String = cmd("INFO").arg("replication").query(&mut r).unwrap();
+        if info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica never linked:\n{}",
+            replica.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let sha: String = cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(TOKEN_BUCKET_LUA)
+        .query(&mut p)
+        .unwrap();
+    for round in 0..30 {
+        let bucket = format!("qag:rl:{{t}}:{}", round % 4);
+        let _: Value = cmd("QAG.TAKE")
+            .arg(&bucket)
+            .arg(3)
+            .arg(0.5)
+            .query(&mut p)
+            .unwrap();
+        let _: Value = cmd("QAG.TAKE")
+            .arg(&bucket)
+            .arg(3)
+            .arg(0.5)
+            .arg("COST")
+            .arg(2)
+            .query(&mut p)
+            .unwrap();
+        let _: Value = cmd("QAG.TAKE2")
+            .arg("qag:rl:{t}:ip")
+            .arg(20)
+            .arg(1)
+            .arg(&bucket)
+            .arg(3)
+            .arg(0.5)
+            .query(&mut p)
+            .unwrap();
+        let _: Value = cmd("EVALSHA")
+            .arg(&sha)
+            .arg(1)
+            .arg("qag:rl:{t}:script")
+            .arg(2)
+            .arg(1)
+            .query(&mut p)
+            .unwrap();
+        let _: Value = redis::pipe()
+            .atomic()
+            .cmd("QAG.TAKE")
+            .arg("qag:rl:{t}:multi")
+            .arg(2)
+            .arg(10)
+            .cmd("QAG.PEEK")
+            .arg("qag:rl:{t}:multi")
+            .arg(2)
+            .arg(10)
+            .query(&mut p)
+            .unwrap();
+        if round % 10 == 9 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+    let acked: i64 = cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
+    assert_eq!(acked, 1, "the replica acknowledged the stream");
+    let on_primary = state(&mut p);
+    let on_replica = state(&mut r);
+    assert_eq!(on_primary.len(), 7);
+    assert_eq!(on_replica, on_primary);
+    assert!(replica.alive(), "replica died:\n{}", replica.log());
+    assert!(
+        !replica.log().contains("Unknown command"),
+        "{}",
+        replica.log()
+    );
+}
