@@ -4,48 +4,70 @@
 use std::ffi::CStr;
 
 use qag_core::args::ArgList;
-use qag_core::bucket::{self, State, TakeArgs};
+use qag_core::bucket::{self, State, Take as Outcome, TakeArgs};
 use qag_core::number::format_number;
 use redis_module::raw;
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
-use crate::key::{Access, Key, OwnedString};
+use crate::key::{Access, FieldName, Key, OwnedString};
 
-const TOKENS: &CStr = c"tokens";
-const TS: &CStr = c"ts";
+static TOKENS: FieldName = FieldName::new("tokens");
+static TS: FieldName = FieldName::new("ts");
 
-fn read_state(ctx: &Ctx, key: &Key) -> Option<State> {
-    let [tokens, ts] = key.hash_get2(ctx, [TOKENS, TS]);
-    bucket::parse_state(
-        tokens.as_ref().map(OwnedString::bytes),
-        ts.as_ref().map(OwnedString::bytes),
-    )
+/// Makes the field names; called once when the module loads.
+pub fn init() {
+    TOKENS.create();
+    TS.create();
 }
 
-/// Takes from the bucket open at `key` (named `name`), writes the new state and expiry
-/// back and replicates them as HSET and PEXPIREAT: the effects, never the command,
-/// since the result depends on the primary's clock.
-fn take_and_write(
-    ctx: &Ctx,
-    key: &mut Key,
+/// A bucket opened for a call: its key, its name and the call's arguments for it.
+struct Bucket<'a> {
+    key: Key,
     name: *mut raw::RedisModuleString,
-    args: &TakeArgs,
-    now_micros: i64,
-) -> [i64; 3] {
-    let now = bucket::seconds_from_micros(now_micros);
-    let take = bucket::take(args.limit, args.cost, read_state(ctx, key), now);
-    let expire_at = bucket::expire_at_millis(now_micros, args.limit.period);
+    args: &'a TakeArgs,
+}
 
-    let mut text = ryu::Buffer::new();
-    let tokens = OwnedString::new(ctx, format_number(&mut text, take.state.tokens));
-    let ts = OwnedString::new(ctx, format_number(&mut text, take.state.ts));
-    key.hash_set2([(TOKENS, &tokens), (TS, &ts)]);
-    key.set_expire_at(expire_at);
-    ctx.replicate_hset2(name, [(TOKENS, tokens.raw), (TS, ts.raw)]);
-    ctx.replicate_pexpireat(name, expire_at);
-    ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset", name);
-    ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", name);
-    take.verdict.as_reply()
+impl<'a> Bucket<'a> {
+    fn open(
+        ctx: &Ctx,
+        raw_args: &RawArgs,
+        args: &'a TakeArgs,
+        access: Access,
+    ) -> Result<Self, CommandError> {
+        let name = raw_args.string(args.key);
+        Ok(Bucket {
+            key: Key::open_hash(ctx, name, access)?,
+            name,
+            args,
+        })
+    }
+
+    /// What taking would do now, from the stored fields; writes nothing.
+    fn take(&self, ctx: &Ctx, now_micros: i64) -> Outcome {
+        let [tokens, ts] = self.key.hash_get2(ctx, [&TOKENS, &TS]);
+        let stored: Option<State> = bucket::parse_state(
+            tokens.as_ref().map(OwnedString::bytes),
+            ts.as_ref().map(OwnedString::bytes),
+        );
+        let now = bucket::seconds_from_micros(now_micros);
+        bucket::take(self.args.limit, self.args.cost, stored, now)
+    }
+
+    /// Writes the outcome's state and the expiry back and replicates them as HSET and
+    /// PEXPIREAT: the effects, never the command, since the result depends on the
+    /// primary's clock.
+    fn write(&mut self, ctx: &Ctx, outcome: &Outcome, now_micros: i64) {
+        let expire_at = bucket::expire_at_millis(now_micros, self.args.limit.period);
+        let mut text = ryu::Buffer::new();
+        let tokens = OwnedString::new(ctx, format_number(&mut text, outcome.state.tokens));
+        let ts = OwnedString::new(ctx, format_number(&mut text, outcome.state.ts));
+        self.key.hash_set2([(&TOKENS, &tokens), (&TS, &ts)]);
+        self.key.set_expire_at(expire_at);
+        ctx.replicate_hset2(self.name, [(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
+        ctx.replicate_pexpireat(self.name, expire_at);
+        ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset", self.name);
+        ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
+    }
 }
 
 /// QAG.TAKE key count period [COST n]
@@ -63,10 +85,11 @@ impl Command for Take {
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let take = bucket::parse_take(args)?;
-        let name = args.string(take.key);
-        let mut key = Key::open_hash(ctx, name, Access::ReadWrite)?;
-        let reply = take_and_write(ctx, &mut key, name, &take, ctx.now_micros());
-        Ok(Reply::Integers(reply))
+        let mut bucket = Bucket::open(ctx, args, &take, Access::ReadWrite)?;
+        let now = ctx.now_micros();
+        let outcome = bucket.take(ctx, now);
+        bucket.write(ctx, &outcome, now);
+        Ok(Reply::Integers(outcome.verdict.as_reply()))
     }
 }
 
@@ -85,28 +108,41 @@ impl Command for TakePair {
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let pair = bucket::parse_take_pair(args)?;
-        let client_name = args.string(pair.client.key);
-        let key_name = args.string(pair.key.key);
-        let same_key = args.get(pair.client.key) == args.get(pair.key.key);
-
-        let mut client = Key::open_hash(ctx, client_name, Access::ReadWrite)?;
-        if !same_key {
-            // Only a type check: the key bucket is opened for writing only if counted.
-            Key::open_hash(ctx, key_name, Access::Read)?;
-        }
         let now = ctx.now_micros();
-        let client_reply = take_and_write(ctx, &mut client, client_name, &pair.client, now);
-        if client_reply[0] == 0 {
+        let mut client = Bucket::open(ctx, args, &pair.client, Access::ReadWrite)?;
+        let client_outcome = client.take(ctx, now);
+        let client_reply = client_outcome.verdict.as_reply();
+
+        if args.get(pair.client.key) == args.get(pair.key.key) {
+            // One key as both buckets: the script run twice on it, through one handle.
+            client.write(ctx, &client_outcome, now);
+            if !client_outcome.verdict.allowed {
+                return Ok(Reply::Pair(client_reply, None));
+            }
+            let mut again = Bucket {
+                args: &pair.key,
+                ..client
+            };
+            let outcome = again.take(ctx, now);
+            again.write(ctx, &outcome, now);
+            return Ok(Reply::Pair(client_reply, Some(outcome.verdict.as_reply())));
+        }
+
+        if !client_outcome.verdict.allowed {
+            // The key bucket is not counted, only type-checked: no write, no touch.
+            Bucket::open(ctx, args, &pair.key, Access::Read)?;
+            client.write(ctx, &client_outcome, now);
             return Ok(Reply::Pair(client_reply, None));
         }
-        let key_reply = if same_key {
-            take_and_write(ctx, &mut client, client_name, &pair.key, now)
-        } else {
-            drop(client);
-            let mut key = Key::open_hash(ctx, key_name, Access::ReadWrite)?;
-            take_and_write(ctx, &mut key, key_name, &pair.key, now)
-        };
-        Ok(Reply::Pair(client_reply, Some(key_reply)))
+        // Both keys are open and of the right type before either is written.
+        let mut key = Bucket::open(ctx, args, &pair.key, Access::ReadWrite)?;
+        let key_outcome = key.take(ctx, now);
+        client.write(ctx, &client_outcome, now);
+        key.write(ctx, &key_outcome, now);
+        Ok(Reply::Pair(
+            client_reply,
+            Some(key_outcome.verdict.as_reply()),
+        ))
     }
 }
 
@@ -125,9 +161,8 @@ impl Command for Peek {
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let peek = bucket::parse_take(args)?;
-        let key = Key::open_hash(ctx, args.string(peek.key), Access::Read)?;
-        let now = bucket::seconds_from_micros(ctx.now_micros());
-        let take = bucket::take(peek.limit, peek.cost, read_state(ctx, &key), now);
-        Ok(Reply::Integers(take.verdict.as_reply()))
+        let bucket = Bucket::open(ctx, args, &peek, Access::Read)?;
+        let outcome = bucket.take(ctx, ctx.now_micros());
+        Ok(Reply::Integers(outcome.verdict.as_reply()))
     }
 }

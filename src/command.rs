@@ -124,20 +124,19 @@ impl Ctx {
     pub fn replicate_hset2(
         &self,
         key: *mut raw::RedisModuleString,
-        fields: [(&CStr, *mut raw::RedisModuleString); 2],
+        fields: [(*mut raw::RedisModuleString, *mut raw::RedisModuleString); 2],
     ) {
         let [(f1, v1), (f2, v2)] = fields;
-        // SAFETY: a format of five arguments matched by five pointers that live
-        // through the call.
+        // SAFETY: a format of five strings matched by five live strings.
         unsafe {
             raw::RedisModule_Replicate.unwrap()(
                 self.0,
                 c"HSET".as_ptr(),
-                c"scscs".as_ptr(),
+                c"sssss".as_ptr(),
                 key,
-                f1.as_ptr(),
+                f1,
                 v1,
-                f2.as_ptr(),
+                f2,
                 v2,
             );
         }

@@ -1,8 +1,9 @@
 //! Keys through the module's low-level key API: open once, read and write fields in
 //! place, close on drop. No call goes through another command.
 
-use std::ffi::{c_int, CStr};
+use std::ffi::c_int;
 use std::ptr;
+use std::sync::OnceLock;
 
 use redis_module::raw;
 
@@ -63,20 +64,19 @@ impl Key {
     }
 
     /// Reads two fields in one call; each is None when missing.
-    pub fn hash_get2(&self, ctx: &Ctx, fields: [&CStr; 2]) -> [Option<OwnedString>; 2] {
+    pub fn hash_get2(&self, ctx: &Ctx, fields: [&FieldName; 2]) -> [Option<OwnedString>; 2] {
         if self.kind == KeyKind::Empty {
             return [None, None];
         }
         let mut values = [ptr::null_mut::<raw::RedisModuleString>(); 2];
-        // SAFETY: CFIELDS takes C-string field names, each followed by an out pointer,
-        // the list ended by NULL.
+        // SAFETY: field names each followed by an out pointer, the list ended by NULL.
         unsafe {
             raw::RedisModule_HashGet.unwrap()(
                 self.raw,
-                raw::REDISMODULE_HASH_CFIELDS as c_int,
-                fields[0].as_ptr(),
+                raw::REDISMODULE_HASH_NONE as c_int,
+                fields[0].raw(),
                 &mut values[0] as *mut *mut raw::RedisModuleString,
-                fields[1].as_ptr(),
+                fields[1].raw(),
                 &mut values[1] as *mut *mut raw::RedisModuleString,
                 ptr::null::<u8>(),
             );
@@ -85,16 +85,16 @@ impl Key {
     }
 
     /// Writes two fields in one call, creating the hash if needed.
-    pub fn hash_set2(&mut self, fields: [(&CStr, &OwnedString); 2]) {
+    pub fn hash_set2(&mut self, fields: [(&FieldName, &OwnedString); 2]) {
         let [(f1, v1), (f2, v2)] = fields;
-        // SAFETY: as for HashGet; the values are live strings.
+        // SAFETY: as for HashGet; the server copies names and values.
         unsafe {
             raw::RedisModule_HashSet.unwrap()(
                 self.raw,
-                raw::REDISMODULE_HASH_CFIELDS as c_int,
-                f1.as_ptr(),
+                raw::REDISMODULE_HASH_NONE as c_int,
+                f1.raw(),
                 v1.raw,
-                f2.as_ptr(),
+                f2.raw(),
                 v2.raw,
                 ptr::null::<u8>(),
             );
@@ -153,5 +153,48 @@ impl Drop for OwnedString {
     fn drop(&mut self) {
         // SAFETY: created or handed to us by the server, freed once.
         unsafe { raw::RedisModule_FreeString.unwrap()(self.ctx, self.raw) };
+    }
+}
+
+/// A hash field name, made into a server string once and shared by every call, so the
+/// hot path allocates no field names.
+pub struct FieldName {
+    name: &'static str,
+    string: OnceLock<SharedString>,
+}
+
+struct SharedString(*mut raw::RedisModuleString);
+
+// SAFETY: created once at load and only ever used on the server's main thread.
+unsafe impl Send for SharedString {}
+unsafe impl Sync for SharedString {}
+
+impl FieldName {
+    pub const fn new(name: &'static str) -> FieldName {
+        FieldName {
+            name,
+            string: OnceLock::new(),
+        }
+    }
+
+    /// Creates the server string; called from the module's load.
+    pub fn create(&self) {
+        self.string.get_or_init(|| {
+            // SAFETY: a NULL context makes a string that lives until freed: for ever.
+            SharedString(unsafe {
+                raw::RedisModule_CreateString.unwrap()(
+                    ptr::null_mut(),
+                    self.name.as_ptr().cast(),
+                    self.name.len(),
+                )
+            })
+        });
+    }
+
+    pub fn raw(&self) -> *mut raw::RedisModuleString {
+        self.string
+            .get()
+            .expect("field names are created when the module loads")
+            .0
     }
 }

@@ -10,6 +10,7 @@ use redis_module::{redis_module, Context, RedisString, Status};
 use command::{register, Features};
 
 fn init(ctx: &Context, _args: &[RedisString]) -> Status {
+    bucket::init();
     let mut features = Features::default();
     let registered = register::<bucket::Take>(ctx.ctx, &mut features)
         .and_then(|_| register::<bucket::TakePair>(ctx.ctx, &mut features))
