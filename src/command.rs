@@ -242,6 +242,7 @@ const COMMAND_INFO_VERSION: raw::RedisModuleCommandInfoVersion =
 #[derive(Default)]
 pub struct Features {
     pub command_info: bool,
+    pub acl_categories: bool,
 }
 
 /// Registers command `C`: its flags and first/last/step keys everywhere, and key specs,
@@ -279,6 +280,20 @@ pub fn register<C: Command>(
     let command = unsafe { get_command(ctx, C::NAME.as_ptr()) };
     if command.is_null() {
         return Err(format!("could not find command {name} after creating it"));
+    }
+    // Modules' commands get no ACL categories from their flags; where the server lets a
+    // module set them (7.2 and later), put each where its flags say it belongs.
+    if let Some(set_categories) = unsafe { raw::RedisModule_SetCommandACLCategories } {
+        let categories = if C::WRITES {
+            c"write fast"
+        } else {
+            c"read fast"
+        };
+        // SAFETY: a command of this module and a C string.
+        if unsafe { set_categories(command, categories.as_ptr()) } != raw::REDISMODULE_OK as c_int {
+            return Err(format!("could not set the ACL categories of {name}"));
+        }
+        features.acl_categories = true;
     }
     let flag_bits = if C::WRITES {
         (KeySpecFlags::READ_WRITE | KeySpecFlags::ACCESS | KeySpecFlags::UPDATE).bits()

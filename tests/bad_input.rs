@@ -297,3 +297,48 @@ fn random_arguments_never_crash_the_server() {
     assert_eq!(&snapshot(&mut con, string_key), string_snapshot);
     t.assert_healthy();
 }
+
+/// A panic inside a command becomes an error reply; the server and its data live on.
+#[test]
+fn a_panic_in_a_command_is_an_error_reply_not_a_crash() {
+    if external("panic guard") {
+        return;
+    }
+    let mut server = Server::start(&ServerOptions {
+        module_args: vec!["TEST-COMMANDS".into()],
+        ..Default::default()
+    });
+    let mut con = server.client().get_connection().unwrap();
+    let _: Value = cmd("QAG.TAKE")
+        .arg("b")
+        .arg(5)
+        .arg(60)
+        .query(&mut con)
+        .unwrap();
+    for _ in 0..3 {
+        let err = cmd("QAG.TEST.PANIC")
+            .arg("b")
+            .query::<Value>(&mut con)
+            .unwrap_err();
+        assert_eq!(err.code(), Some("ERR"), "{err}");
+        assert!(err.to_string().contains("qag internal error"), "{err}");
+    }
+    let reply: Vec<i64> = cmd("QAG.TAKE")
+        .arg("b")
+        .arg(5)
+        .arg(60)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(reply, vec![1, 3, 0]);
+    assert!(server.alive(), "{}", server.log());
+    // Without the load argument the test command does not exist.
+    let plain = Server::start(&ServerOptions::default());
+    let err = cmd("QAG.TEST.PANIC")
+        .arg("b")
+        .query::<Value>(&mut plain.client().get_connection().unwrap())
+        .unwrap_err();
+    assert!(
+        err.to_string().to_lowercase().contains("unknown command"),
+        "{err}"
+    );
+}

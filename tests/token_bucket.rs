@@ -547,3 +547,64 @@ fn keys_are_declared_for_acl_and_cluster() {
     assert_eq!(keys, vec!["b"]);
     t.assert_healthy();
 }
+
+/// Declared keys make ACL key patterns hold: a user may take only from its own keys.
+#[test]
+fn acl_key_patterns_hold() {
+    let mut t = Target::new();
+    let mut admin = t.con();
+    let user = format!("qag-test-{}", std::process::id());
+    let own = t.key("ratelimit:");
+    let _: () = cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg(">secret")
+        .arg("resetkeys")
+        .arg(format!("~{own}*"))
+        .arg("+qag.take")
+        .arg("+qag.take2")
+        .query(&mut admin)
+        .unwrap();
+    let mut con = t.con();
+    let _: () = cmd("AUTH")
+        .arg(&user)
+        .arg("secret")
+        .query(&mut con)
+        .unwrap();
+    let reply: Vec<i64> = cmd("QAG.TAKE")
+        .arg(format!("{own}a"))
+        .arg(5)
+        .arg(60)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(reply, vec![1, 4, 0]);
+    let other = t.key("elsewhere");
+    for call in [
+        cmd("QAG.TAKE").arg(&other).arg(5).arg(60).clone(),
+        cmd("QAG.TAKE2")
+            .arg(format!("{own}a"))
+            .arg(5)
+            .arg(60)
+            .arg(&other)
+            .arg(5)
+            .arg(60)
+            .clone(),
+        cmd("QAG.PEEK")
+            .arg(format!("{own}a"))
+            .arg(5)
+            .arg(60)
+            .clone(),
+    ] {
+        let err = call.query::<Value>(&mut con).unwrap_err();
+        assert_eq!(err.code(), Some("NOPERM"), "{err}");
+    }
+    let exists: i64 = cmd("EXISTS").arg(&other).query(&mut admin).unwrap();
+    assert_eq!(exists, 0);
+    let _: i64 = cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query(&mut admin)
+        .unwrap();
+    t.assert_healthy();
+}

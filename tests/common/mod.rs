@@ -52,6 +52,8 @@ pub struct ServerOptions {
     /// Load the module (a replica may run without it: it only applies effects).
     pub without_module: bool,
     pub replica_of: Option<u16>,
+    /// Arguments to the module, after its path in --loadmodule.
+    pub module_args: Vec<String>,
     pub extra: Vec<String>,
 }
 
@@ -83,6 +85,7 @@ impl Server {
             ];
             if !options.without_module {
                 args.extend(["--loadmodule".into(), module.display().to_string()]);
+                args.extend(options.module_args.iter().cloned());
             }
             if let Some(primary) = options.replica_of {
                 args.extend([
