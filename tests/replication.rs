@@ -54,11 +54,7 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let sha: String = cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(TOKEN_BUCKET_LUA)
-        .query(&mut p)
-        .unwrap();
+    let sha = load_script(&mut p);
     for round in 0..30 {
         let bucket = format!("qag:rl:{{t}}:{}", round % 4);
         let _: Value = cmd("QAG.TAKE")

@@ -30,6 +30,46 @@ fn take_cost(con: &mut Connection, key: &str, count: u64, period: f64, cost: u64
     v.try_into().unwrap()
 }
 
+type PairReply = (Vec<i64>, Option<Vec<i64>>);
+
+fn take2(
+    con: &mut Connection,
+    client: (&str, u64, f64),
+    key: (&str, u64, f64),
+    cost: u64,
+) -> PairReply {
+    cmd("QAG.TAKE2")
+        .arg(client.0)
+        .arg(client.1)
+        .arg(client.2)
+        .arg(key.0)
+        .arg(key.1)
+        .arg(key.2)
+        .arg("COST")
+        .arg(cost)
+        .query(con)
+        .unwrap()
+}
+
+fn run_script(
+    con: &mut Connection,
+    sha: &str,
+    key: &str,
+    count: u64,
+    period: f64,
+    cost: u64,
+) -> Vec<i64> {
+    cmd("EVALSHA")
+        .arg(sha)
+        .arg(1)
+        .arg(key)
+        .arg(count)
+        .arg(period)
+        .arg(cost)
+        .query(con)
+        .unwrap()
+}
+
 fn server_now(con: &mut Connection) -> f64 {
     let (s, us): (f64, f64) = cmd("TIME").query(con).unwrap();
     s + us / 1e6
@@ -175,11 +215,7 @@ fn unreadable_fields_read_as_a_full_bucket() {
 fn agrees_with_the_script_call_by_call() {
     let mut t = Target::new();
     let mut con = t.con();
-    let sha: String = cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(TOKEN_BUCKET_LUA)
-        .query(&mut con)
-        .unwrap();
+    let sha = load_script(&mut con);
     let key = t.key("differential");
     let (count, period) = (5u64, 1.0);
     let mut script_refusals = 0;
@@ -189,15 +225,7 @@ fn agrees_with_the_script_call_by_call() {
         let before = bucket_fields(&mut con, &key);
         let via_script = i % 2 == 0;
         let reply: Vec<i64> = if via_script {
-            cmd("EVALSHA")
-                .arg(&sha)
-                .arg(1)
-                .arg(&key)
-                .arg(count)
-                .arg(period)
-                .arg(cost)
-                .query(&mut con)
-                .unwrap()
+            run_script(&mut con, &sha, &key, count, period, cost)
         } else {
             cmd("QAG.TAKE")
                 .arg(&key)
@@ -247,11 +275,7 @@ fn agrees_with_the_script_call_by_call() {
 fn take2_agrees_with_the_script_run_twice() {
     let mut t = Target::new();
     let mut con = t.con();
-    let sha: String = cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(TOKEN_BUCKET_LUA)
-        .query(&mut con)
-        .unwrap();
+    let sha = load_script(&mut con);
     let (ckey, kkey) = (t.key("{pair}client"), t.key("{pair}key"));
     let (ccount, cperiod, kcount, kperiod) = (4u64, 1.0, 3u64, 2.0);
     let mut key_refusals = 0;
@@ -260,36 +284,17 @@ fn take2_agrees_with_the_script_run_twice() {
         let c_before = bucket_fields(&mut con, &ckey);
         let k_before = bucket_fields(&mut con, &kkey);
         let k_snapshot = snapshot(&mut con, &kkey);
-        let (client_reply, key_reply): (Vec<i64>, Option<Vec<i64>>) = if i % 2 == 0 {
-            cmd("QAG.TAKE2")
-                .arg(&ckey)
-                .arg(ccount)
-                .arg(cperiod)
-                .arg(&kkey)
-                .arg(kcount)
-                .arg(kperiod)
-                .query(&mut con)
-                .unwrap()
+        let (client_reply, key_reply): PairReply = if i % 2 == 0 {
+            take2(
+                &mut con,
+                (&ckey, ccount, cperiod),
+                (&kkey, kcount, kperiod),
+                1,
+            )
         } else {
-            let c: Vec<i64> = cmd("EVALSHA")
-                .arg(&sha)
-                .arg(1)
-                .arg(&ckey)
-                .arg(ccount)
-                .arg(cperiod)
-                .query(&mut con)
-                .unwrap();
+            let c: Vec<i64> = run_script(&mut con, &sha, &ckey, ccount, cperiod, 1);
             let k = if c[0] == 1 {
-                Some(
-                    cmd("EVALSHA")
-                        .arg(&sha)
-                        .arg(1)
-                        .arg(&kkey)
-                        .arg(kcount)
-                        .arg(kperiod)
-                        .query(&mut con)
-                        .unwrap(),
-                )
+                Some(run_script(&mut con, &sha, &kkey, kcount, kperiod, 1))
             } else {
                 None
             };
@@ -338,39 +343,15 @@ fn take2_leaves_the_key_bucket_alone_when_the_client_refuses() {
     let mut t = Target::new();
     let mut con = t.con();
     let (ckey, kkey) = (t.key("{x}c"), t.key("{x}k"));
-    let reply: (Vec<i64>, Option<Vec<i64>>) = cmd("QAG.TAKE2")
-        .arg(&ckey)
-        .arg(1)
-        .arg(60)
-        .arg(&kkey)
-        .arg(5)
-        .arg(60)
-        .query(&mut con)
-        .unwrap();
+    let reply = take2(&mut con, (&ckey, 1, 60.0), (&kkey, 5, 60.0), 1);
     assert_eq!(reply, (vec![1, 0, 0], Some(vec![1, 4, 0])));
     let before = snapshot(&mut con, &kkey);
-    let reply: (Vec<i64>, Option<Vec<i64>>) = cmd("QAG.TAKE2")
-        .arg(&ckey)
-        .arg(1)
-        .arg(60)
-        .arg(&kkey)
-        .arg(5)
-        .arg(60)
-        .query(&mut con)
-        .unwrap();
+    let reply = take2(&mut con, (&ckey, 1, 60.0), (&kkey, 5, 60.0), 1);
     assert_eq!(reply, (vec![0, 0, 60], None));
     assert_eq!(snapshot(&mut con, &kkey), before);
     // Refused before the key bucket is ever created: no key at all.
     let fresh = t.key("{x}fresh");
-    let _: Value = cmd("QAG.TAKE2")
-        .arg(&ckey)
-        .arg(1)
-        .arg(60)
-        .arg(&fresh)
-        .arg(5)
-        .arg(60)
-        .query(&mut con)
-        .unwrap();
+    take2(&mut con, (&ckey, 1, 60.0), (&fresh, 5, 60.0), 1);
     let exists: i64 = cmd("EXISTS").arg(&fresh).query(&mut con).unwrap();
     assert_eq!(exists, 0);
     t.assert_healthy();
@@ -381,29 +362,11 @@ fn take2_with_cost_and_with_one_key_twice() {
     let mut t = Target::new();
     let mut con = t.con();
     let (ckey, kkey) = (t.key("{y}c"), t.key("{y}k"));
-    let reply: (Vec<i64>, Option<Vec<i64>>) = cmd("QAG.TAKE2")
-        .arg(&ckey)
-        .arg(10)
-        .arg(60)
-        .arg(&kkey)
-        .arg(5)
-        .arg(60)
-        .arg("COST")
-        .arg(4)
-        .query(&mut con)
-        .unwrap();
+    let reply = take2(&mut con, (&ckey, 10, 60.0), (&kkey, 5, 60.0), 4);
     assert_eq!(reply, (vec![1, 6, 0], Some(vec![1, 1, 0])));
     // The same key as both buckets: the script run twice on it.
     let same = t.key("{y}same");
-    let reply: (Vec<i64>, Option<Vec<i64>>) = cmd("QAG.TAKE2")
-        .arg(&same)
-        .arg(5)
-        .arg(60)
-        .arg(&same)
-        .arg(5)
-        .arg(60)
-        .query(&mut con)
-        .unwrap();
+    let reply = take2(&mut con, (&same, 5, 60.0), (&same, 5, 60.0), 1);
     assert_eq!(reply, (vec![1, 4, 0], Some(vec![1, 3, 0])));
     t.assert_healthy();
 }

@@ -15,6 +15,15 @@ pub use redis::{cmd, Connection, Value};
 /// The token-bucket script, the reference QAG.TAKE must match.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
 
+/// Loads the token-bucket script; returns its SHA for EVALSHA.
+pub fn load_script(con: &mut Connection) -> String {
+    cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(TOKEN_BUCKET_LUA)
+        .query(con)
+        .unwrap()
+}
+
 /// A redis-server process of the test's own, killed on drop.
 pub struct Server {
     child: Child,
