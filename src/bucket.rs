@@ -9,7 +9,7 @@ use qag_core::number::format_number;
 use redis_module::raw;
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
-use crate::key::{Access, FieldName, Key, OwnedString};
+use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
 
 static TOKENS: FieldName = FieldName::new("tokens");
 static TS: FieldName = FieldName::new("ts");
@@ -36,7 +36,7 @@ impl<'a> Bucket<'a> {
     ) -> Result<Self, CommandError> {
         let name = raw_args.string(args.key);
         Ok(Bucket {
-            key: Key::open_hash(ctx, name, access)?,
+            key: Key::open(ctx, name, access, ValueType::Hash)?,
             name,
             args,
         })

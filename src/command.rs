@@ -22,6 +22,8 @@ pub struct RawArgs {
 /// A reply, written only after the command has done all its work, so that a failure
 /// can never leave half a reply on the wire.
 pub enum Reply {
+    /// One integer.
+    Integer(i64),
     /// An array of integers, e.g. a TAKE's [allowed, tokens left, retry after].
     Integers([i64; 3]),
     /// Two TAKE replies, the second null when that bucket was not counted.
@@ -156,6 +158,48 @@ impl Ctx {
         }
     }
 
+    /// Replicates `ZADD key score member`, the score a whole number.
+    pub fn replicate_zadd(
+        &self,
+        key: *mut raw::RedisModuleString,
+        score: i64,
+        member: *mut raw::RedisModuleString,
+    ) {
+        // SAFETY: format "sls": string, long long, string.
+        unsafe {
+            raw::RedisModule_Replicate.unwrap()(
+                self.0,
+                c"ZADD".as_ptr(),
+                c"sls".as_ptr(),
+                key,
+                score as c_longlong,
+                member,
+            );
+        }
+    }
+
+    /// Replicates `ZREM key member...`; nothing when `members` is empty.
+    pub fn replicate_zrem(
+        &self,
+        key: *mut raw::RedisModuleString,
+        members: &[*mut raw::RedisModuleString],
+    ) {
+        if members.is_empty() {
+            return;
+        }
+        // SAFETY: format "sv": a string, then an array of strings and its length.
+        unsafe {
+            raw::RedisModule_Replicate.unwrap()(
+                self.0,
+                c"ZREM".as_ptr(),
+                c"sv".as_ptr(),
+                key,
+                members.as_ptr(),
+                members.len(),
+            );
+        }
+    }
+
     /// Fires a keyspace notification, as the equivalent plain command would.
     pub fn notify(&self, class: c_int, event: &CStr, key: *mut raw::RedisModuleString) {
         // SAFETY: valid context, event and key.
@@ -176,6 +220,10 @@ impl Ctx {
 
     fn reply(&self, reply: Reply) {
         match reply {
+            // SAFETY: a plain reply call on the live context.
+            Reply::Integer(value) => unsafe {
+                raw::RedisModule_ReplyWithLongLong.unwrap()(self.0, value);
+            },
             Reply::Integers(values) => self.reply_integers(&values),
             Reply::Pair(first, second) => {
                 // SAFETY: plain reply calls on the live context.

@@ -9,18 +9,18 @@ use redis_module::raw;
 
 use crate::command::{string_bytes, CommandError, Ctx};
 
-/// What a key holds, as far as qag cares.
+/// The type of value a command works on.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum KeyKind {
-    Empty,
+pub enum ValueType {
     Hash,
-    Other,
+    SortedSet,
 }
 
 /// An open key, closed when dropped.
 pub struct Key {
     raw: *mut raw::RedisModuleKey,
-    kind: KeyKind,
+    /// Whether the key holds a value (of the expected type) rather than nothing.
+    exists: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -31,11 +31,12 @@ pub enum Access {
 
 impl Key {
     /// Opens `name` for `access`; refuses with WRONGTYPE a key that holds anything but
-    /// a hash, before anything is written.
-    pub fn open_hash(
+    /// a value of type `expected`, before anything is written.
+    pub fn open(
         ctx: &Ctx,
         name: *mut raw::RedisModuleString,
         access: Access,
+        expected: ValueType,
     ) -> Result<Key, CommandError> {
         let mode = match access {
             Access::Read => raw::REDISMODULE_READ,
@@ -50,22 +51,24 @@ impl Key {
             // SAFETY: an open key.
             unsafe { raw::RedisModule_KeyType.unwrap()(raw_key) as isize }
         };
-        let kind = match key_type {
-            raw::REDISMODULE_KEYTYPE_EMPTY => KeyKind::Empty,
-            raw::REDISMODULE_KEYTYPE_HASH => KeyKind::Hash,
-            _ => KeyKind::Other,
+        let expected_type = match expected {
+            ValueType::Hash => raw::REDISMODULE_KEYTYPE_HASH,
+            ValueType::SortedSet => raw::REDISMODULE_KEYTYPE_ZSET,
         };
         // Built before any early return, so that the key is closed on every path.
-        let key = Key { raw: raw_key, kind };
-        match kind {
-            KeyKind::Other => Err(CommandError::WrongType),
-            _ => Ok(key),
+        let key = Key {
+            raw: raw_key,
+            exists: key_type == expected_type,
+        };
+        if key_type != raw::REDISMODULE_KEYTYPE_EMPTY && key_type != expected_type {
+            return Err(CommandError::WrongType);
         }
+        Ok(key)
     }
 
     /// Reads two fields in one call; each is None when missing.
     pub fn hash_get2(&self, ctx: &Ctx, fields: [&FieldName; 2]) -> [Option<OwnedString>; 2] {
-        if self.kind == KeyKind::Empty {
+        if !self.exists {
             return [None, None];
         }
         let mut values = [ptr::null_mut::<raw::RedisModuleString>(); 2];
@@ -99,7 +102,94 @@ impl Key {
                 ptr::null::<u8>(),
             );
         }
-        self.kind = KeyKind::Hash;
+        self.exists = true;
+    }
+
+    /// The score of `member`, None when absent.
+    pub fn zset_score(&self, member: *mut raw::RedisModuleString) -> Option<f64> {
+        if !self.exists {
+            return None;
+        }
+        let mut score = 0.0;
+        // SAFETY: an open sorted set and a live string.
+        let found = unsafe { raw::RedisModule_ZsetScore.unwrap()(self.raw, member, &mut score) };
+        (found == raw::REDISMODULE_OK as c_int).then_some(score)
+    }
+
+    /// Adds `member` or updates its score.
+    pub fn zset_add(&mut self, member: *mut raw::RedisModuleString, score: f64) {
+        // SAFETY: a key open for writing, empty or a sorted set.
+        unsafe { raw::RedisModule_ZsetAdd.unwrap()(self.raw, score, member, ptr::null_mut()) };
+        self.exists = true;
+    }
+
+    /// Removes `member`; the server deletes the key when it empties.
+    pub fn zset_remove(&mut self, member: *mut raw::RedisModuleString) {
+        if self.exists {
+            // SAFETY: as above.
+            unsafe { raw::RedisModule_ZsetRem.unwrap()(self.raw, member, ptr::null_mut()) };
+            self.exists = self.len() > 0;
+        }
+    }
+
+    /// The number of members (or fields, or elements) the key holds.
+    pub fn len(&self) -> usize {
+        if !self.exists {
+            return 0;
+        }
+        // SAFETY: an open key.
+        unsafe { raw::RedisModule_ValueLength.unwrap()(self.raw) }
+    }
+
+    /// The members scored from `min` to `max` (both included), lowest first.
+    pub fn zset_range(&self, ctx: &Ctx, min: f64, max: f64) -> Vec<OwnedString> {
+        let mut members = Vec::new();
+        if !self.exists {
+            return members;
+        }
+        // SAFETY: an open sorted set; the range iterator is stopped before returning.
+        unsafe {
+            if raw::RedisModule_ZsetFirstInScoreRange.unwrap()(self.raw, min, max, 0, 0)
+                != raw::REDISMODULE_OK as c_int
+            {
+                return members;
+            }
+            while raw::RedisModule_ZsetRangeEndReached.unwrap()(self.raw) == 0 {
+                let member =
+                    raw::RedisModule_ZsetRangeCurrentElement.unwrap()(self.raw, ptr::null_mut());
+                members.extend(OwnedString::adopt(ctx, member));
+                if raw::RedisModule_ZsetRangeNext.unwrap()(self.raw) == 0 {
+                    break;
+                }
+            }
+            raw::RedisModule_ZsetRangeStop.unwrap()(self.raw);
+        }
+        members
+    }
+
+    /// The highest score, None for an empty key.
+    pub fn zset_max_score(&self) -> Option<f64> {
+        if !self.exists {
+            return None;
+        }
+        let mut score = None;
+        // SAFETY: as for zset_range.
+        unsafe {
+            let inf = f64::INFINITY;
+            if raw::RedisModule_ZsetLastInScoreRange.unwrap()(self.raw, -inf, inf, 0, 0)
+                == raw::REDISMODULE_OK as c_int
+            {
+                let mut value = 0.0;
+                let member =
+                    raw::RedisModule_ZsetRangeCurrentElement.unwrap()(self.raw, &mut value);
+                if !member.is_null() {
+                    raw::RedisModule_FreeString.unwrap()(ptr::null_mut(), member);
+                    score = Some(value);
+                }
+            }
+            raw::RedisModule_ZsetRangeStop.unwrap()(self.raw);
+        }
+        score
     }
 
     /// Sets the key's absolute expiry in Unix milliseconds.

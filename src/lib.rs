@@ -4,6 +4,7 @@
 mod bucket;
 mod command;
 mod key;
+mod lease;
 mod testing;
 
 use redis_module::{redis_module, Context, RedisString, Status};
@@ -19,6 +20,10 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     let registered = register::<bucket::Take>(ctx.ctx, &mut features)
         .and_then(|_| register::<bucket::TakePair>(ctx.ctx, &mut features))
         .and_then(|_| register::<bucket::Peek>(ctx.ctx, &mut features))
+        .and_then(|_| register::<lease::Lease>(ctx.ctx, &mut features))
+        .and_then(|_| register::<lease::Renew>(ctx.ctx, &mut features))
+        .and_then(|_| register::<lease::Release>(ctx.ctx, &mut features))
+        .and_then(|_| register::<lease::Leases>(ctx.ctx, &mut features))
         .and_then(|_| match test_commands {
             true => register::<testing::Panic>(ctx.ctx, &mut features),
             false => Ok(()),

@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng};
 
 const COUNT_ERROR: &str = "count must be an integer from 1 to 9007199254740992";
 const PERIOD_ERROR: &str = "period must be a number from 0.000001 to 10000000000";
+const LONG_ID: &[u8] = &[b'x'; 257];
 const COST_ERROR: &str = "cost must be an integer from 1 to 9223372036854775807";
 
 /// The error code (`ERR`, `WRONGTYPE`) and the whole text of a call that must fail.
@@ -90,6 +91,48 @@ fn bad_calls() -> Vec<(Vec<&'static [u8]>, &'static str)> {
             "wrong number of arguments for 'qag.peek' command",
         ),
     ];
+    let lease: &[u8] = b"QAG.LEASE";
+    let renew: &[u8] = b"QAG.RENEW";
+    let release: &[u8] = b"QAG.RELEASE";
+    let leases: &[u8] = b"QAG.LEASES";
+    let (max_error, ttl_error) = (
+        "max must be an integer from 1 to 1000000",
+        "ttl_ms must be an integer from 1 to 604800000",
+    );
+    let id_error = "id must be non-empty and at most 256 bytes";
+    calls.extend([
+        (
+            vec![lease, b"Z", b"5", b"1000"],
+            "wrong number of arguments for 'qag.lease' command",
+        ),
+        (vec![lease, b"Z", b"0", b"1000", b"id"], max_error),
+        (vec![lease, b"Z", b"1000001", b"1000", b"id"], max_error),
+        (vec![lease, b"Z", b"5", b"0", b"id"], ttl_error),
+        (vec![lease, b"Z", b"5", b"604800001", b"id"], ttl_error),
+        (vec![lease, b"Z", b"5", b"1e3", b"id"], ttl_error),
+        (vec![lease, b"Z", b"5", b"1000", b""], id_error),
+        (vec![lease, b"Z", b"5", b"1000", LONG_ID], id_error),
+        (vec![lease, b"S", b"5", b"1000", b"id"], "WRONGTYPE"),
+        (vec![lease, b"K", b"5", b"1000", b"id"], "WRONGTYPE"),
+        (
+            vec![renew, b"Z", b"id"],
+            "wrong number of arguments for 'qag.renew' command",
+        ),
+        (vec![renew, b"Z", b"id", b"-1"], ttl_error),
+        (vec![renew, b"Z", b"", b"100"], id_error),
+        (vec![renew, b"S", b"id", b"100"], "WRONGTYPE"),
+        (
+            vec![release, b"Z"],
+            "wrong number of arguments for 'qag.release' command",
+        ),
+        (vec![release, b"Z", b""], id_error),
+        (vec![release, b"K", b"id"], "WRONGTYPE"),
+        (
+            vec![leases, b"Z", b"extra"],
+            "wrong number of arguments for 'qag.leases' command",
+        ),
+        (vec![leases, b"S"], "WRONGTYPE"),
+    ]);
     let bad_counts: &[&[u8]] = &[
         b"0",
         b"-1",
@@ -161,6 +204,7 @@ fn substitute(t: &Target, args: &[&[u8]]) -> Vec<Vec<u8>> {
             b"K" => t.key("bucket").into_bytes(),
             b"H" => t.key("other").into_bytes(),
             b"S" => t.key("string").into_bytes(),
+            b"Z" => t.key("slots").into_bytes(),
             other => other.to_vec(),
         })
         .collect()
@@ -260,10 +304,23 @@ fn random_arguments_never_crash_the_server() {
     .map(|w| w.to_vec())
     .chain([vec![b'9'; 400], vec![b'x'; 70_000]])
     .collect();
-    let commands: [&str; 3] = ["QAG.TAKE", "QAG.TAKE2", "QAG.PEEK"];
-    let keys = [t.key("bucket"), t.key("other"), t.key("string")];
+    let commands = [
+        "QAG.TAKE",
+        "QAG.TAKE2",
+        "QAG.PEEK",
+        "QAG.LEASE",
+        "QAG.RENEW",
+        "QAG.RELEASE",
+        "QAG.LEASES",
+    ];
+    let keys = [
+        t.key("bucket"),
+        t.key("other"),
+        t.key("string"),
+        t.key("slots"),
+    ];
     let mut answered = 0;
-    for _ in 0..3000 {
+    for _ in 0..4000 {
         let name = commands[rng.gen_range(0..commands.len())];
         let mut c = cmd(name);
         for _ in 0..rng.gen_range(0..10) {
@@ -291,7 +348,7 @@ fn random_arguments_never_crash_the_server() {
         }
         answered += 1;
     }
-    assert_eq!(answered, 3000);
+    assert_eq!(answered, 4000);
     // Valid calls may have written the buckets; the string key was never a bucket.
     let (string_key, string_snapshot) = &before[2];
     assert_eq!(&snapshot(&mut con, string_key), string_snapshot);

@@ -1,5 +1,5 @@
 //! Effects replication: a replica (run without the module, so it can only apply plain
-//! commands) ends up with exactly the primary's fields and expiry times.
+//! commands) ends up with exactly the primary's fields, members, scores and expiry times.
 
 mod common;
 
@@ -16,11 +16,23 @@ fn all_keys(con: &mut Connection) -> Vec<String> {
 /// A key's name, sorted fields and absolute expiry in milliseconds.
 type KeyState = (String, Vec<(String, String)>, i64);
 
+/// Every key's content (a hash's fields, a sorted set's members and scores) and expiry.
 fn state(con: &mut Connection) -> Vec<KeyState> {
     all_keys(con)
         .into_iter()
         .map(|k| {
-            let mut fields: Vec<(String, String)> = cmd("HGETALL").arg(&k).query(con).unwrap();
+            let kind: String = cmd("TYPE").arg(&k).query(con).unwrap();
+            let mut fields: Vec<(String, String)> = match kind.as_str() {
+                "hash" => cmd("HGETALL").arg(&k).query(con).unwrap(),
+                "zset" => cmd("ZRANGE")
+                    .arg(&k)
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
+                    .query(con)
+                    .unwrap(),
+                other => panic!("{k} is a {other}"),
+            };
             fields.sort();
             let expire: i64 = cmd("PEXPIRETIME").arg(&k).query(con).unwrap();
             (k, fields, expire)
@@ -100,6 +112,27 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
             .arg(10)
             .query(&mut p)
             .unwrap();
+        let slots = "qag:running:{t}";
+        let _: Value = cmd("QAG.LEASE")
+            .arg(slots)
+            .arg(3)
+            .arg(400)
+            .arg(format!("req{round}"))
+            .query(&mut p)
+            .unwrap();
+        let _: Value = cmd("QAG.RENEW")
+            .arg(slots)
+            .arg(format!("req{}", round.max(1) - 1))
+            .arg(500)
+            .query(&mut p)
+            .unwrap();
+        if round % 3 == 0 {
+            let _: Value = cmd("QAG.RELEASE")
+                .arg(slots)
+                .arg(format!("req{round}"))
+                .query(&mut p)
+                .unwrap();
+        }
         if round % 10 == 9 {
             std::thread::sleep(Duration::from_millis(300));
         }
@@ -108,7 +141,10 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     assert_eq!(acked, 1, "the replica acknowledged the stream");
     let on_primary = state(&mut p);
     let on_replica = state(&mut r);
-    assert_eq!(on_primary.len(), 7);
+    assert_eq!(on_primary.len(), 8);
+    assert!(on_primary
+        .iter()
+        .any(|(k, members, _)| k == "qag:running:{t}" && !members.is_empty()));
     assert_eq!(on_replica, on_primary);
     assert!(replica.alive(), "replica died:\n{}", replica.log());
     assert!(

@@ -42,6 +42,11 @@ pub enum ArgError {
     },
     /// A word where an option was expected that is none of `expected`.
     UnknownOption { expected: &'static str },
+    /// A string argument `name` that breaks its `rule`.
+    Text {
+        name: &'static str,
+        rule: &'static str,
+    },
 }
 
 impl fmt::Display for ArgError {
@@ -57,6 +62,7 @@ impl fmt::Display for ArgError {
             ArgError::UnknownOption { expected } => {
                 write!(f, "ERR syntax error: expected {expected}")
             }
+            ArgError::Text { name, rule } => write!(f, "ERR {name} must be {rule}"),
         }
     }
 }
@@ -95,9 +101,20 @@ impl<'a, L: ArgList + ?Sized> Args<'a, L> {
         Ok((index, self.list.get(index)))
     }
 
+    /// The bytes of argument `index`, as read already.
+    pub fn bytes(&self, index: usize) -> &'a [u8] {
+        self.list.get(index)
+    }
+
+    /// A string argument, any bytes: returns its index, so the module can hand the
+    /// server's own string on without copying it.
+    pub fn string(&mut self) -> Result<usize, ArgError> {
+        self.take().map(|(index, _)| index)
+    }
+
     /// A key: returns its index, which the module uses to open it.
     pub fn key(&mut self) -> Result<usize, ArgError> {
-        self.take().map(|(index, _)| index)
+        self.string()
     }
 
     /// An integer from `min` to `max`.

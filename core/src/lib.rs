@@ -6,4 +6,5 @@
 
 pub mod args;
 pub mod bucket;
+pub mod lease;
 pub mod number;

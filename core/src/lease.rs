@@ -1,0 +1,218 @@
+//! Concurrency slots held as leases: a sorted set of lease ids scored by their expiry in
+//! Unix milliseconds. A lease is live while its expiry is after now; an expired lease is
+//! a free slot, whoever held it.
+
+use crate::args::{ArgError, ArgList, Args};
+
+pub const MAX_SLOTS: i64 = 1_000_000;
+/// The longest lease: seven days.
+pub const MAX_TTL_MILLIS: i64 = 7 * 24 * 3600 * 1000;
+pub const MAX_ID_BYTES: usize = 256;
+
+/// Whether a lease expiring at `expiry_millis` still holds its slot at `now_millis`.
+pub fn is_live(expiry_millis: f64, now_millis: i64) -> bool {
+    expiry_millis > now_millis as f64
+}
+
+/// What QAG.LEASE does, given the caller's lease and the number of live leases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acquire {
+    /// The caller already holds a live lease: extend it; it still counts once.
+    Renew,
+    /// A slot is free: take it.
+    Take,
+    /// Every slot is held: change nothing.
+    Refuse,
+}
+
+pub fn acquire(max: i64, live: u64, holds_live_lease: bool) -> Acquire {
+    if holds_live_lease {
+        Acquire::Renew
+    } else if (live as i128) < i128::from(max) {
+        Acquire::Take
+    } else {
+        Acquire::Refuse
+    }
+}
+
+/// A lease id: non-empty, at most 256 bytes.
+fn lease_id<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<usize, ArgError> {
+    let index = args.string()?;
+    let len = args.bytes(index).len();
+    if len == 0 || len > MAX_ID_BYTES {
+        return Err(ArgError::Text {
+            name: "id",
+            rule: "non-empty and at most 256 bytes",
+        });
+    }
+    Ok(index)
+}
+
+fn ttl<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<i64, ArgError> {
+    args.integer("ttl_ms", 1, MAX_TTL_MILLIS)
+}
+
+/// QAG.LEASE key max ttl_ms id
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseArgs {
+    pub key: usize,
+    pub max: i64,
+    pub ttl_millis: i64,
+    pub id: usize,
+}
+
+pub fn parse_lease<L: ArgList + ?Sized>(list: &L) -> Result<LeaseArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(4, 4)?;
+    Ok(LeaseArgs {
+        key: args.key()?,
+        max: args.integer("max", 1, MAX_SLOTS)?,
+        ttl_millis: ttl(&mut args)?,
+        id: lease_id(&mut args)?,
+    })
+}
+
+/// QAG.RENEW key id ttl_ms
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RenewArgs {
+    pub key: usize,
+    pub id: usize,
+    pub ttl_millis: i64,
+}
+
+pub fn parse_renew<L: ArgList + ?Sized>(list: &L) -> Result<RenewArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(3, 3)?;
+    Ok(RenewArgs {
+        key: args.key()?,
+        id: lease_id(&mut args)?,
+        ttl_millis: ttl(&mut args)?,
+    })
+}
+
+/// QAG.RELEASE key id
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReleaseArgs {
+    pub key: usize,
+    pub id: usize,
+}
+
+pub fn parse_release<L: ArgList + ?Sized>(list: &L) -> Result<ReleaseArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(2, 2)?;
+    Ok(ReleaseArgs {
+        key: args.key()?,
+        id: lease_id(&mut args)?,
+    })
+}
+
+/// QAG.LEASES key
+pub fn parse_leases<L: ArgList + ?Sized>(list: &L) -> Result<usize, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(1, 1)?;
+    args.key()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(text: &str) -> Vec<&[u8]> {
+        text.split(' ').map(str::as_bytes).collect()
+    }
+
+    #[test]
+    fn live_means_expiring_after_now() {
+        assert!(is_live(1001.0, 1000));
+        assert!(!is_live(1000.0, 1000));
+        assert!(!is_live(999.0, 1000));
+    }
+
+    #[test]
+    fn acquire_renews_then_takes_then_refuses() {
+        assert_eq!(
+            acquire(3, 3, true),
+            Acquire::Renew,
+            "a retry never takes two slots"
+        );
+        assert_eq!(acquire(3, 0, false), Acquire::Take);
+        assert_eq!(acquire(3, 2, false), Acquire::Take);
+        assert_eq!(acquire(3, 3, false), Acquire::Refuse);
+        assert_eq!(
+            acquire(3, 7, false),
+            Acquire::Refuse,
+            "more live than max after max was lowered"
+        );
+        assert_eq!(acquire(1, u64::MAX, false), Acquire::Refuse);
+    }
+
+    #[test]
+    fn lease_arguments() {
+        let w = words("LEASE k 5 30000 req-1");
+        assert_eq!(
+            parse_lease(&w[..]),
+            Ok(LeaseArgs {
+                key: 1,
+                max: 5,
+                ttl_millis: 30000,
+                id: 4
+            })
+        );
+        let long_id = format!("LEASE k 5 30000 {}", "x".repeat(256));
+        assert!(parse_lease(&words(&long_id)[..]).is_ok());
+        for (text, error) in [
+            ("LEASE k 5 30000", "ERR wrong number of arguments"),
+            ("LEASE k 5 30000 id extra", "ERR wrong number of arguments"),
+            (
+                "LEASE k 0 30000 id",
+                "ERR max must be an integer from 1 to 1000000",
+            ),
+            (
+                "LEASE k 1000001 30000 id",
+                "ERR max must be an integer from 1 to 1000000",
+            ),
+            (
+                "LEASE k 5 0 id",
+                "ERR ttl_ms must be an integer from 1 to 604800000",
+            ),
+            (
+                "LEASE k 5 604800001 id",
+                "ERR ttl_ms must be an integer from 1 to 604800000",
+            ),
+            (
+                "LEASE k 5 1.5 id",
+                "ERR ttl_ms must be an integer from 1 to 604800000",
+            ),
+            (
+                "LEASE k 5 100 ",
+                "ERR id must be non-empty and at most 256 bytes",
+            ),
+        ] {
+            let e = parse_lease(&words(text)[..]).unwrap_err().to_string();
+            assert_eq!(e, error, "{text}");
+        }
+        let too_long = format!("LEASE k 5 30000 {}", "x".repeat(257));
+        assert!(parse_lease(&words(&too_long)[..]).is_err());
+    }
+
+    #[test]
+    fn renew_release_and_count_arguments() {
+        assert_eq!(
+            parse_renew(&words("RENEW k id 500")[..]),
+            Ok(RenewArgs {
+                key: 1,
+                id: 2,
+                ttl_millis: 500
+            })
+        );
+        assert!(parse_renew(&words("RENEW k id -1")[..]).is_err());
+        assert!(parse_renew(&words("RENEW k  500")[..]).is_err());
+        assert_eq!(
+            parse_release(&words("RELEASE k id")[..]),
+            Ok(ReleaseArgs { key: 1, id: 2 })
+        );
+        assert!(parse_release(&words("RELEASE k")[..]).is_err());
+        assert_eq!(parse_leases(&words("LEASES k")[..]), Ok(1));
+        assert!(parse_leases(&words("LEASES k j")[..]).is_err());
+    }
+}

@@ -1,0 +1,195 @@
+//! The lease family: QAG.LEASE, QAG.RENEW, QAG.RELEASE and QAG.LEASES. A key's running
+//! queries are a sorted set: members are lease ids, scores their expiry in Unix
+//! milliseconds, so a slot held by a crashed process frees itself when its lease runs out.
+
+use std::ffi::CStr;
+
+use qag_core::lease::{self, Acquire};
+use redis_module::raw;
+
+use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::key::{Access, Key, OwnedString, ValueType};
+
+/// A key's slots, opened for one call at one instant.
+struct Slots {
+    key: Key,
+    name: *mut raw::RedisModuleString,
+    now_millis: i64,
+}
+
+impl Slots {
+    fn open(ctx: &Ctx, args: &RawArgs, key: usize, access: Access) -> Result<Slots, CommandError> {
+        let name = args.string(key);
+        Ok(Slots {
+            key: Key::open(ctx, name, access, ValueType::SortedSet)?,
+            name,
+            now_millis: ctx.now_micros().div_euclid(1000),
+        })
+    }
+
+    /// The leases whose expiry has passed.
+    fn expired(&self, ctx: &Ctx) -> Vec<OwnedString> {
+        self.key
+            .zset_range(ctx, f64::NEG_INFINITY, self.now_millis as f64)
+    }
+
+    fn holds_live_lease(&self, id: *mut raw::RedisModuleString) -> bool {
+        self.key
+            .zset_score(id)
+            .is_some_and(|expiry| lease::is_live(expiry, self.now_millis))
+    }
+
+    /// Removes `members` and replicates the removal as one ZREM.
+    fn remove(&mut self, ctx: &Ctx, members: &[*mut raw::RedisModuleString]) {
+        if members.is_empty() {
+            return;
+        }
+        for &member in members {
+            self.key.zset_remove(member);
+        }
+        ctx.replicate_zrem(self.name, members);
+        ctx.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zrem", self.name);
+    }
+
+    /// Gives `id` a lease until now + `ttl_millis`, replicated as ZADD.
+    fn put(&mut self, ctx: &Ctx, id: *mut raw::RedisModuleString, ttl_millis: i64) {
+        let expiry = self.now_millis + ttl_millis;
+        self.key.zset_add(id, expiry as f64);
+        ctx.replicate_zadd(self.name, expiry, id);
+        ctx.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zadd", self.name);
+    }
+
+    /// Makes the key expire with its latest lease, so that an idle key vanishes; a key
+    /// the removals emptied is gone already. Members written by others with a later
+    /// score hold the key no longer than the longest lease qag gives.
+    fn expire_with_latest_lease(&mut self, ctx: &Ctx) {
+        let Some(latest) = self.key.zset_max_score() else {
+            return;
+        };
+        let limit = self.now_millis + lease::MAX_TTL_MILLIS;
+        let at = if latest.is_nan() {
+            limit
+        } else {
+            (latest.ceil() as i64).min(limit)
+        };
+        self.key.set_expire_at(at);
+        ctx.replicate_pexpireat(self.name, at);
+        ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
+    }
+}
+
+fn raw_strings(strings: &[OwnedString]) -> Vec<*mut raw::RedisModuleString> {
+    strings.iter().map(|s| s.raw).collect()
+}
+
+/// QAG.LEASE key max ttl_ms id
+pub struct Lease;
+
+impl Command for Lease {
+    const NAME: &'static CStr = c"qag.lease";
+    const FLAGS: &'static CStr = c"write deny-oom fast";
+    const ARITY: i32 = 5;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = true;
+    const SUMMARY: &'static CStr =
+        c"Takes (or renews) one of max concurrency slots for a lease id; replies [acquired, live leases, retry after]";
+    const COMPLEXITY: &'static CStr = c"O(log N) plus O(log N) per expired lease removed";
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let call = lease::parse_lease(args)?;
+        let mut slots = Slots::open(ctx, args, call.key, Access::ReadWrite)?;
+        let id = args.string(call.id);
+        let expired = slots.expired(ctx);
+        let live = slots.key.len().saturating_sub(expired.len());
+        let decision = lease::acquire(call.max, live as u64, slots.holds_live_lease(id));
+        if decision == Acquire::Refuse {
+            return Ok(Reply::Integers([0, live as i64, 1]));
+        }
+        slots.remove(ctx, &raw_strings(&expired));
+        slots.put(ctx, id, call.ttl_millis);
+        slots.expire_with_latest_lease(ctx);
+        let live_after = live + usize::from(decision == Acquire::Take);
+        Ok(Reply::Integers([1, live_after as i64, 0]))
+    }
+}
+
+/// QAG.RENEW key id ttl_ms
+pub struct Renew;
+
+impl Command for Renew {
+    const NAME: &'static CStr = c"qag.renew";
+    const FLAGS: &'static CStr = c"write deny-oom fast";
+    const ARITY: i32 = 4;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = true;
+    const SUMMARY: &'static CStr =
+        c"Extends a live lease to now + ttl_ms; replies 1, or 0 when the lease is gone";
+    const COMPLEXITY: &'static CStr = c"O(log N) plus O(log N) per expired lease removed";
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let call = lease::parse_renew(args)?;
+        let mut slots = Slots::open(ctx, args, call.key, Access::ReadWrite)?;
+        let id = args.string(call.id);
+        if !slots.holds_live_lease(id) {
+            return Ok(Reply::Integer(0));
+        }
+        let expired = slots.expired(ctx);
+        slots.remove(ctx, &raw_strings(&expired));
+        slots.put(ctx, id, call.ttl_millis);
+        slots.expire_with_latest_lease(ctx);
+        Ok(Reply::Integer(1))
+    }
+}
+
+/// QAG.RELEASE key id
+pub struct Release;
+
+impl Command for Release {
+    const NAME: &'static CStr = c"qag.release";
+    const FLAGS: &'static CStr = c"write fast";
+    const ARITY: i32 = 3;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = true;
+    const SUMMARY: &'static CStr =
+        c"Frees a lease's slot; replies 1 if a live lease was released, else 0";
+    const COMPLEXITY: &'static CStr = c"O(log N) plus O(log N) per expired lease removed";
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let call = lease::parse_release(args)?;
+        let mut slots = Slots::open(ctx, args, call.key, Access::ReadWrite)?;
+        let id = args.string(call.id);
+        let Some(expiry) = slots.key.zset_score(id) else {
+            return Ok(Reply::Integer(0));
+        };
+        let live = lease::is_live(expiry, slots.now_millis);
+        // The expired leases, the caller's among them if it ran out, go too.
+        let expired = slots.expired(ctx);
+        let mut members = raw_strings(&expired);
+        if live {
+            members.push(id);
+        }
+        slots.remove(ctx, &members);
+        slots.expire_with_latest_lease(ctx);
+        Ok(Reply::Integer(i64::from(live)))
+    }
+}
+
+/// QAG.LEASES key
+pub struct Leases;
+
+impl Command for Leases {
+    const NAME: &'static CStr = c"qag.leases";
+    const FLAGS: &'static CStr = c"readonly fast";
+    const ARITY: i32 = 2;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = false;
+    const SUMMARY: &'static CStr = c"Replies the number of live leases at a key";
+    const COMPLEXITY: &'static CStr = c"O(log N) plus O(1) per expired lease";
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let key = lease::parse_leases(args)?;
+        let slots = Slots::open(ctx, args, key, Access::Read)?;
+        let live = slots.key.len().saturating_sub(slots.expired(ctx).len());
+        Ok(Reply::Integer(live as i64))
+    }
+}
