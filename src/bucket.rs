@@ -44,7 +44,7 @@ impl<'a> Bucket<'a> {
 
     /// What taking would do now, from the stored fields; writes nothing.
     fn take(&self, ctx: &Ctx, now_micros: i64) -> Outcome {
-        let [tokens, ts] = self.key.hash_get2(ctx, [&TOKENS, &TS]);
+        let [tokens, ts] = self.key.hash_get(ctx, [&TOKENS, &TS]);
         let stored: Option<State> = bucket::parse_state(
             tokens.as_ref().map(OwnedString::bytes),
             ts.as_ref().map(OwnedString::bytes),
@@ -61,9 +61,9 @@ impl<'a> Bucket<'a> {
         let mut text = ryu::Buffer::new();
         let tokens = OwnedString::new(ctx, format_number(&mut text, outcome.state.tokens));
         let ts = OwnedString::new(ctx, format_number(&mut text, outcome.state.ts));
-        self.key.hash_set2([(&TOKENS, &tokens), (&TS, &ts)]);
+        self.key.hash_set([(&TOKENS, &tokens), (&TS, &ts)]);
         self.key.set_expire_at(expire_at);
-        ctx.replicate_hset2(self.name, [(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
+        ctx.replicate_hset(self.name, &[(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
         ctx.replicate_pexpireat(self.name, expire_at);
         ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset", self.name);
         ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
@@ -89,7 +89,7 @@ impl Command for Take {
         let now = ctx.now_micros();
         let outcome = bucket.take(ctx, now);
         bucket.write(ctx, &outcome, now);
-        Ok(Reply::Integers(outcome.verdict.as_reply()))
+        Ok(Reply::Array(outcome.verdict.as_reply().into()))
     }
 }
 
@@ -111,7 +111,7 @@ impl Command for TakePair {
         let now = ctx.now_micros();
         let mut client = Bucket::open(ctx, args, &pair.client, Access::ReadWrite)?;
         let client_outcome = client.take(ctx, now);
-        let client_reply = client_outcome.verdict.as_reply();
+        let client_reply = client_outcome.verdict.as_reply().into();
 
         if args.get(pair.client.key) == args.get(pair.key.key) {
             // One key as both buckets: the script run twice on it, through one handle.
@@ -125,7 +125,10 @@ impl Command for TakePair {
             };
             let outcome = again.take(ctx, now);
             again.write(ctx, &outcome, now);
-            return Ok(Reply::Pair(client_reply, Some(outcome.verdict.as_reply())));
+            return Ok(Reply::Pair(
+                client_reply,
+                Some(outcome.verdict.as_reply().into()),
+            ));
         }
 
         if !client_outcome.verdict.allowed {
@@ -141,7 +144,7 @@ impl Command for TakePair {
         key.write(ctx, &key_outcome, now);
         Ok(Reply::Pair(
             client_reply,
-            Some(key_outcome.verdict.as_reply()),
+            Some(key_outcome.verdict.as_reply().into()),
         ))
     }
 }
@@ -163,6 +166,6 @@ impl Command for Peek {
         let peek = bucket::parse_take(args)?;
         let bucket = Bucket::open(ctx, args, &peek, Access::Read)?;
         let outcome = bucket.take(ctx, ctx.now_micros());
-        Ok(Reply::Integers(outcome.verdict.as_reply()))
+        Ok(Reply::Array(outcome.verdict.as_reply().into()))
     }
 }

@@ -24,16 +24,42 @@ pub struct RawArgs {
 pub enum Reply {
     /// One integer.
     Integer(i64),
-    /// An array of integers, e.g. a TAKE's [allowed, tokens left, retry after].
-    Integers([i64; 3]),
-    /// Two TAKE replies, the second null when that bucket was not counted.
-    Pair([i64; 3], Option<[i64; 3]>),
+    /// An array of integers and nulls, e.g. a TAKE's [allowed, tokens left, retry after].
+    Array(Row),
+    /// Two arrays, the second null when absent (TAKE2's two buckets).
+    Pair(Row, Option<Row>),
+}
+
+/// Up to six integers or nulls, kept on the stack.
+#[derive(Clone, Copy)]
+pub struct Row {
+    values: [Option<i64>; 6],
+    len: usize,
+}
+
+impl Row {
+    pub fn new(values: &[Option<i64>]) -> Row {
+        let mut row = Row {
+            values: [None; 6],
+            len: values.len(),
+        };
+        row.values[..values.len()].copy_from_slice(values);
+        row
+    }
+}
+
+impl<const N: usize> From<[i64; N]> for Row {
+    fn from(values: [i64; N]) -> Row {
+        Row::new(&values.map(Some))
+    }
 }
 
 /// Why a command refused to run; nothing was written.
 pub enum CommandError {
     Arg(ArgError),
     WrongType,
+    /// Valid arguments the command still cannot act on; the text is the whole error.
+    Refused(&'static str),
 }
 
 impl From<ArgError> for CommandError {
@@ -122,24 +148,26 @@ impl Ctx {
         ts.tv_sec * 1_000_000 + ts.tv_nsec / 1000
     }
 
-    /// Replicates `HSET key f1 v1 f2 v2` to replicas and the AOF.
-    pub fn replicate_hset2(
+    /// Replicates `HSET key field value...` (at most four pairs) to replicas and the AOF.
+    pub fn replicate_hset(
         &self,
         key: *mut raw::RedisModuleString,
-        fields: [(*mut raw::RedisModuleString, *mut raw::RedisModuleString); 2],
+        fields: &[(*mut raw::RedisModuleString, *mut raw::RedisModuleString)],
     ) {
-        let [(f1, v1), (f2, v2)] = fields;
-        // SAFETY: a format of five strings matched by five live strings.
+        let mut argv = [std::ptr::null_mut::<raw::RedisModuleString>(); 8];
+        for (i, (field, value)) in fields.iter().enumerate() {
+            argv[2 * i] = *field;
+            argv[2 * i + 1] = *value;
+        }
+        // SAFETY: format "sv": the key, then an array of live strings and its length.
         unsafe {
             raw::RedisModule_Replicate.unwrap()(
                 self.0,
                 c"HSET".as_ptr(),
-                c"sssss".as_ptr(),
+                c"sv".as_ptr(),
                 key,
-                f1,
-                v1,
-                f2,
-                v2,
+                argv.as_ptr(),
+                2 * fields.len(),
             );
         }
     }
@@ -208,12 +236,15 @@ impl Ctx {
         };
     }
 
-    fn reply_integers(&self, values: &[i64; 3]) {
+    fn reply_row(&self, row: &Row) {
         // SAFETY: plain reply calls on the live context.
         unsafe {
-            raw::RedisModule_ReplyWithArray.unwrap()(self.0, values.len() as _);
-            for v in values {
-                raw::RedisModule_ReplyWithLongLong.unwrap()(self.0, *v);
+            raw::RedisModule_ReplyWithArray.unwrap()(self.0, row.len as _);
+            for value in &row.values[..row.len] {
+                match value {
+                    Some(v) => raw::RedisModule_ReplyWithLongLong.unwrap()(self.0, *v),
+                    None => raw::RedisModule_ReplyWithNull.unwrap()(self.0),
+                };
             }
         }
     }
@@ -224,13 +255,13 @@ impl Ctx {
             Reply::Integer(value) => unsafe {
                 raw::RedisModule_ReplyWithLongLong.unwrap()(self.0, value);
             },
-            Reply::Integers(values) => self.reply_integers(&values),
+            Reply::Array(row) => self.reply_row(&row),
             Reply::Pair(first, second) => {
                 // SAFETY: plain reply calls on the live context.
                 unsafe { raw::RedisModule_ReplyWithArray.unwrap()(self.0, 2) };
-                self.reply_integers(&first);
+                self.reply_row(&first);
                 match second {
-                    Some(values) => self.reply_integers(&values),
+                    Some(row) => self.reply_row(&row),
                     // SAFETY: as above.
                     None => unsafe {
                         raw::RedisModule_ReplyWithNull.unwrap()(self.0);
@@ -269,6 +300,7 @@ pub extern "C" fn invoke<C: Command>(
             ));
         }
         Ok(Err(CommandError::Arg(e))) => ctx.reply_error(&e.to_string()),
+        Ok(Err(CommandError::Refused(message))) => ctx.reply_error(message),
         Ok(Err(CommandError::WrongType)) => {
             ctx.reply_error("WRONGTYPE Operation against a key holding the wrong kind of value")
         }

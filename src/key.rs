@@ -9,6 +9,11 @@ use redis_module::raw;
 
 use crate::command::{string_bytes, CommandError, Ctx};
 
+/// HashGet and HashSet flags: field names are server strings.
+const NONE: c_int = raw::REDISMODULE_HASH_NONE as c_int;
+/// The NULL that ends HashGet's and HashSet's variadic arguments.
+const END: *const u8 = ptr::null();
+
 /// The type of value a command works on.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum ValueType {
@@ -66,41 +71,53 @@ impl Key {
         Ok(key)
     }
 
-    /// Reads two fields in one call; each is None when missing.
-    pub fn hash_get2(&self, ctx: &Ctx, fields: [&FieldName; 2]) -> [Option<OwnedString>; 2] {
-        if !self.exists {
-            return [None, None];
-        }
-        let mut values = [ptr::null_mut::<raw::RedisModuleString>(); 2];
-        // SAFETY: field names each followed by an out pointer, the list ended by NULL.
-        unsafe {
-            raw::RedisModule_HashGet.unwrap()(
-                self.raw,
-                raw::REDISMODULE_HASH_NONE as c_int,
-                fields[0].raw(),
-                &mut values[0] as *mut *mut raw::RedisModuleString,
-                fields[1].raw(),
-                &mut values[1] as *mut *mut raw::RedisModuleString,
-                ptr::null::<u8>(),
-            );
+    /// Reads `N` fields, two to a call; each is None when missing.
+    pub fn hash_get<const N: usize>(
+        &self,
+        ctx: &Ctx,
+        fields: [&FieldName; N],
+    ) -> [Option<OwnedString>; N] {
+        let mut values = [ptr::null_mut::<raw::RedisModuleString>(); N];
+        if self.exists {
+            for (names, outs) in fields.chunks(2).zip(values.chunks_mut(2)) {
+                // SAFETY: the API table is filled in at load and never changes.
+                let get = unsafe { raw::RedisModule_HashGet.unwrap() };
+                // SAFETY: field names each followed by an out pointer, ended by NULL.
+                unsafe {
+                    match (names, outs) {
+                        ([a, b], [va, vb]) => get(
+                            self.raw,
+                            NONE,
+                            a.raw(),
+                            va as *mut _,
+                            b.raw(),
+                            vb as *mut _,
+                            END,
+                        ),
+                        ([a], [va]) => get(self.raw, NONE, a.raw(), va as *mut _, END),
+                        _ => unreachable!("chunks of two"),
+                    };
+                }
+            }
         }
         values.map(|v| OwnedString::adopt(ctx, v))
     }
 
-    /// Writes two fields in one call, creating the hash if needed.
-    pub fn hash_set2(&mut self, fields: [(&FieldName, &OwnedString); 2]) {
-        let [(f1, v1), (f2, v2)] = fields;
-        // SAFETY: as for HashGet; the server copies names and values.
-        unsafe {
-            raw::RedisModule_HashSet.unwrap()(
-                self.raw,
-                raw::REDISMODULE_HASH_NONE as c_int,
-                f1.raw(),
-                v1.raw,
-                f2.raw(),
-                v2.raw,
-                ptr::null::<u8>(),
-            );
+    /// Writes `N` fields, two to a call, creating the hash if needed.
+    pub fn hash_set<const N: usize>(&mut self, fields: [(&FieldName, &OwnedString); N]) {
+        // SAFETY: the API table is filled in at load and never changes.
+        let set = unsafe { raw::RedisModule_HashSet.unwrap() };
+        for pair in fields.chunks(2) {
+            // SAFETY: as for HashGet; the server copies names and values.
+            unsafe {
+                match pair {
+                    [(a, va), (b, vb)] => {
+                        set(self.raw, NONE, a.raw(), va.raw, b.raw(), vb.raw, END)
+                    }
+                    [(a, va)] => set(self.raw, NONE, a.raw(), va.raw, END),
+                    _ => unreachable!("chunks of two"),
+                };
+            }
         }
         self.exists = true;
     }
@@ -215,6 +232,15 @@ pub struct OwnedString {
 }
 
 impl OwnedString {
+    pub fn from_integer(ctx: &Ctx, value: i64) -> OwnedString {
+        // SAFETY: a live context.
+        let raw = unsafe { raw::RedisModule_CreateStringFromLongLong.unwrap()(ctx.raw(), value) };
+        OwnedString {
+            ctx: ctx.raw(),
+            raw,
+        }
+    }
+
     pub fn new(ctx: &Ctx, text: &str) -> OwnedString {
         // SAFETY: a buffer of the given length.
         let raw = unsafe {

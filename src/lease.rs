@@ -103,13 +103,13 @@ impl Command for Lease {
         let live = slots.key.len().saturating_sub(expired.len());
         let decision = lease::acquire(call.max, live as u64, slots.holds_live_lease(id));
         if decision == Acquire::Refuse {
-            return Ok(Reply::Integers([0, live as i64, 1]));
+            return Ok(Reply::Array([0, live as i64, 1].into()));
         }
         slots.remove(ctx, &raw_strings(&expired));
         slots.put(ctx, id, call.ttl_millis);
         slots.expire_with_latest_lease(ctx);
         let live_after = live + usize::from(decision == Acquire::Take);
-        Ok(Reply::Integers([1, live_after as i64, 0]))
+        Ok(Reply::Array([1, live_after as i64, 0].into()))
     }
 }
 

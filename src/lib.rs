@@ -5,6 +5,7 @@ mod bucket;
 mod command;
 mod key;
 mod lease;
+mod quota;
 mod testing;
 
 use redis_module::{redis_module, Context, RedisString, Status};
@@ -13,6 +14,7 @@ use command::{register, Features};
 
 fn init(ctx: &Context, args: &[RedisString]) -> Status {
     bucket::init();
+    quota::init();
     let test_commands = args
         .iter()
         .any(|a| a.as_slice().eq_ignore_ascii_case(b"TEST-COMMANDS"));
@@ -24,6 +26,9 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         .and_then(|_| register::<lease::Renew>(ctx.ctx, &mut features))
         .and_then(|_| register::<lease::Release>(ctx.ctx, &mut features))
         .and_then(|_| register::<lease::Leases>(ctx.ctx, &mut features))
+        .and_then(|_| register::<quota::Check>(ctx.ctx, &mut features))
+        .and_then(|_| register::<quota::Add>(ctx.ctx, &mut features))
+        .and_then(|_| register::<quota::Seed>(ctx.ctx, &mut features))
         .and_then(|_| match test_commands {
             true => register::<testing::Panic>(ctx.ctx, &mut features),
             false => Ok(()),

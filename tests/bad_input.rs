@@ -133,6 +133,115 @@ fn bad_calls() -> Vec<(Vec<&'static [u8]>, &'static str)> {
         ),
         (vec![leases, b"S"], "WRONGTYPE"),
     ]);
+    let quota: &[u8] = b"QAG.QUOTA";
+    let add: &[u8] = b"QAG.QUOTA.ADD";
+    let seed: &[u8] = b"QAG.QUOTA.SEED";
+    let count_error = "must be an integer from 0 to 9223372036854775807";
+    calls.extend([
+        (
+            vec![quota, b"Q", b"PER", b"month", b"TZ"],
+            "wrong number of arguments for 'qag.quota' command",
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"month", b"TZ", b"UTC"],
+            "missing CALLS or ROWS",
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"month", b"CALLS", b"1"],
+            "missing PER day|month and TZ zone",
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"year", b"TZ", b"UTC", b"CALLS", b"1"],
+            "PER must be day or month",
+        ),
+        (
+            vec![
+                quota,
+                b"Q",
+                b"PER",
+                b"day",
+                b"TZ",
+                b"Europe/Nowhere",
+                b"CALLS",
+                b"1",
+            ],
+            "TZ must be a known IANA time zone name",
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"day", b"TZ", b"\xff", b"CALLS", b"1"],
+            "TZ must be a known IANA time zone name",
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"day", b"TZ", b"UTC", b"CALLS", b"-1"],
+            count_error,
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"day", b"TZ", b"UTC", b"ROWS", b"1e3"],
+            count_error,
+        ),
+        (
+            vec![
+                quota, b"Q", b"PER", b"day", b"TZ", b"UTC", b"CALLS", b"1", b"ROWS",
+            ],
+            "wrong number of arguments",
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"day", b"PER", b"day", b"TZ", b"UTC"],
+            "PER given more than once",
+        ),
+        (
+            vec![quota, b"Q", b"PER", b"day", b"TZ", b"UTC", b"LIMIT", b"5"],
+            "syntax error: expected PER, TZ, CALLS or ROWS",
+        ),
+        (
+            vec![quota, b"S", b"PER", b"day", b"TZ", b"UTC", b"CALLS", b"5"],
+            "WRONGTYPE",
+        ),
+        (
+            vec![
+                add,
+                b"Q",
+                b"PER",
+                b"day",
+                b"TZ",
+                b"UTC",
+                b"CALLS",
+                b"99999999999999999999",
+            ],
+            count_error,
+        ),
+        (
+            vec![
+                add, b"Q", b"PER", b"day", b"TZ", b"UTC", b"CALLS", b"1.5", b"ROWS", b"1",
+            ],
+            count_error,
+        ),
+        (
+            vec![
+                add,
+                b"Q",
+                b"PER",
+                b"day",
+                b"TZ",
+                b"UTC",
+                b"CALLS",
+                b"9223372036854775807",
+            ],
+            "overflow",
+        ),
+        (
+            vec![add, b"Z", b"PER", b"day", b"TZ", b"UTC", b"CALLS", b"1"],
+            "WRONGTYPE",
+        ),
+        (
+            vec![seed, b"Q", b"PER", b"day", b"TZ", b"UTC", b"ROWS", b"-5"],
+            count_error,
+        ),
+        (
+            vec![seed, b"Q", b"TZ", b"UTC", b"ROWS", b"5"],
+            "missing PER day|month and TZ zone",
+        ),
+    ]);
     let bad_counts: &[&[u8]] = &[
         b"0",
         b"-1",
@@ -205,27 +314,20 @@ fn substitute(t: &Target, args: &[&[u8]]) -> Vec<Vec<u8>> {
             b"H" => t.key("other").into_bytes(),
             b"S" => t.key("string").into_bytes(),
             b"Z" => t.key("slots").into_bytes(),
+            b"Q" => t.key("quota").into_bytes(),
             other => other.to_vec(),
         })
         .collect()
 }
 
+/// Makes a key of every kind the commands use, and a string key; returns each with
+/// its snapshot.
 fn prepare(t: &Target, con: &mut Connection) -> Vec<(String, (Value, i64))> {
-    let bucket = t.key("bucket");
-    let other = t.key("other");
-    let string = t.key("string");
-    let _: Value = cmd("QAG.TAKE")
-        .arg(&bucket)
-        .arg(5)
-        .arg(60)
-        .query(con)
-        .unwrap();
-    let _: Value = cmd("QAG.TAKE")
-        .arg(&other)
-        .arg(5)
-        .arg(60)
-        .query(con)
-        .unwrap();
+    let [bucket, other, string, slots, quota] =
+        ["bucket", "other", "string", "slots", "quota"].map(|k| t.key(k));
+    for key in [&bucket, &other] {
+        let _: Value = cmd("QAG.TAKE").arg(key).arg(5).arg(60).query(con).unwrap();
+    }
     let _: () = cmd("SET")
         .arg(&string)
         .arg("not a bucket")
@@ -233,7 +335,19 @@ fn prepare(t: &Target, con: &mut Connection) -> Vec<(String, (Value, i64))> {
         .arg(600)
         .query(con)
         .unwrap();
-    [bucket, other, string]
+    let _: Value = cmd("QAG.LEASE")
+        .arg(&slots)
+        .arg(5)
+        .arg(600_000)
+        .arg("held")
+        .query(con)
+        .unwrap();
+    let _: Value = cmd("QAG.QUOTA.ADD")
+        .arg(&quota)
+        .arg(&["PER", "day", "TZ", "UTC", "CALLS", "1"])
+        .query(con)
+        .unwrap();
+    [bucket, other, string, slots, quota]
         .into_iter()
         .map(|k| (k.clone(), snapshot(con, &k)))
         .collect()
@@ -294,6 +408,14 @@ fn random_arguments_never_crash_the_server() {
         b"-9223372036854775808",
         b"COST",
         b"cost",
+        b"PER",
+        b"day",
+        b"month",
+        b"TZ",
+        b"UTC",
+        b"Europe/Berlin",
+        b"CALLS",
+        b"ROWS",
         b"",
         b" ",
         b"\x00",
@@ -304,40 +426,92 @@ fn random_arguments_never_crash_the_server() {
     .map(|w| w.to_vec())
     .chain([vec![b'9'; 400], vec![b'x'; 70_000]])
     .collect();
-    let commands = [
-        "QAG.TAKE",
-        "QAG.TAKE2",
-        "QAG.PEEK",
-        "QAG.LEASE",
-        "QAG.RENEW",
-        "QAG.RELEASE",
-        "QAG.LEASES",
+    // Each command with a valid call, as a template to mutate: B, O, S, Z, Q stand for
+    // the keys below.
+    let templates: [(&str, &[&str]); 10] = [
+        ("QAG.TAKE", &["B", "5", "60", "COST", "2"]),
+        ("QAG.TAKE2", &["B", "5", "60", "O", "5", "60", "COST", "1"]),
+        ("QAG.PEEK", &["B", "5", "60"]),
+        ("QAG.LEASE", &["Z", "5", "1000", "id"]),
+        ("QAG.RENEW", &["Z", "id", "1000"]),
+        ("QAG.RELEASE", &["Z", "id"]),
+        ("QAG.LEASES", &["Z"]),
+        (
+            "QAG.QUOTA",
+            &["Q", "PER", "day", "TZ", "UTC", "CALLS", "5", "ROWS", "5"],
+        ),
+        (
+            "QAG.QUOTA.ADD",
+            &["Q", "PER", "month", "TZ", "UTC", "CALLS", "1", "ROWS", "5"],
+        ),
+        (
+            "QAG.QUOTA.SEED",
+            &["Q", "PER", "day", "TZ", "Europe/Berlin", "CALLS", "1"],
+        ),
     ];
     let keys = [
         t.key("bucket"),
         t.key("other"),
         t.key("string"),
         t.key("slots"),
+        t.key("quota"),
     ];
     let mut answered = 0;
-    for _ in 0..4000 {
-        let name = commands[rng.gen_range(0..commands.len())];
-        let mut c = cmd(name);
-        for _ in 0..rng.gen_range(0..10) {
-            let arg: Vec<u8> = match rng.gen_range(0..4) {
+    for round in 0..4000 {
+        let (name, template) = templates[rng.gen_range(0..templates.len())];
+        let random_arg = |rng: &mut rand::rngs::StdRng| -> Vec<u8> {
+            match rng.gen_range(0..4) {
                 0 => keys[rng.gen_range(0..keys.len())].clone().into_bytes(),
                 1 => (0..rng.gen_range(0..12)).map(|_| rng.gen()).collect(),
                 _ => words[rng.gen_range(0..words.len())].clone(),
-            };
-            c.arg(arg);
+            }
+        };
+        let args: Vec<Vec<u8>> = if round % 2 == 0 {
+            // A valid call with one to three arguments replaced, dropped or added.
+            let mut args: Vec<Vec<u8>> = template
+                .iter()
+                .map(|a| match *a {
+                    "B" => keys[0].clone().into_bytes(),
+                    "O" => keys[1].clone().into_bytes(),
+                    "Z" => keys[3].clone().into_bytes(),
+                    "Q" => keys[4].clone().into_bytes(),
+                    other => other.as_bytes().to_vec(),
+                })
+                .collect();
+            for _ in 0..rng.gen_range(1..4) {
+                let at = rng.gen_range(0..=args.len());
+                match rng.gen_range(0..3) {
+                    0 if at < args.len() => args[at] = random_arg(&mut rng),
+                    1 if at < args.len() => {
+                        args.remove(at);
+                    }
+                    _ => args.insert(at, random_arg(&mut rng)),
+                }
+            }
+            args
+        } else {
+            (0..rng.gen_range(0..10))
+                .map(|_| random_arg(&mut rng))
+                .collect()
+        };
+        let mut c = cmd(name);
+        for arg in &args {
+            c.arg(&arg[..]);
         }
         let snapshots: Vec<_> = keys.iter().map(|k| snapshot(&mut con, k)).collect();
+        let (seconds, micros): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+        let now_ms = seconds * 1000 + micros / 1000;
         // Ok or a server error: either way an answer; an I/O error fails here.
         match c.query::<Value>(&mut con) {
             Ok(_) => {}
             Err(e) => {
                 assert!(e.kind() != redis::ErrorKind::IoError, "{name}: {e}");
                 for (key, before) in keys.iter().zip(&snapshots) {
+                    // A key that a valid call gave a short life may expire meanwhile.
+                    let (_, expire_at) = before;
+                    if *expire_at > 0 && *expire_at < now_ms + 2_000 {
+                        continue;
+                    }
                     assert_eq!(
                         &snapshot(&mut con, key),
                         before,

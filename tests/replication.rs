@@ -133,6 +133,24 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
                 .query(&mut p)
                 .unwrap();
         }
+        let quota = "qag:quota:{t}";
+        let command = if round % 7 == 3 {
+            "QAG.QUOTA.SEED"
+        } else {
+            "QAG.QUOTA.ADD"
+        };
+        let _: Value = cmd(command)
+            .arg(quota)
+            .arg("PER")
+            .arg("day")
+            .arg("TZ")
+            .arg("America/New_York")
+            .arg("CALLS")
+            .arg(round)
+            .arg("ROWS")
+            .arg(10 * round)
+            .query(&mut p)
+            .unwrap();
         if round % 10 == 9 {
             std::thread::sleep(Duration::from_millis(300));
         }
@@ -141,7 +159,7 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     assert_eq!(acked, 1, "the replica acknowledged the stream");
     let on_primary = state(&mut p);
     let on_replica = state(&mut r);
-    assert_eq!(on_primary.len(), 8);
+    assert_eq!(on_primary.len(), 9);
     assert!(on_primary
         .iter()
         .any(|(k, members, _)| k == "qag:running:{t}" && !members.is_empty()));

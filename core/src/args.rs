@@ -42,6 +42,10 @@ pub enum ArgError {
     },
     /// A word where an option was expected that is none of `expected`.
     UnknownOption { expected: &'static str },
+    /// The same option twice.
+    RepeatedOption { name: &'static str },
+    /// A required argument or option is absent.
+    Missing { what: &'static str },
     /// A string argument `name` that breaks its `rule`.
     Text {
         name: &'static str,
@@ -63,6 +67,8 @@ impl fmt::Display for ArgError {
                 write!(f, "ERR syntax error: expected {expected}")
             }
             ArgError::Text { name, rule } => write!(f, "ERR {name} must be {rule}"),
+            ArgError::RepeatedOption { name } => write!(f, "ERR {name} given more than once"),
+            ArgError::Missing { what } => write!(f, "ERR missing {what}"),
         }
     }
 }

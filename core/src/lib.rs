@@ -8,3 +8,4 @@ pub mod args;
 pub mod bucket;
 pub mod lease;
 pub mod number;
+pub mod quota;

@@ -1,0 +1,520 @@
+//! Calendar quotas: calls and rows counted per day or per month in a caller's time
+//! zone, following that zone's rules (daylight-saving changes included) from the
+//! bundled IANA database, so a server without a zone database still works.
+
+use std::io::Write;
+
+use jiff::tz::TimeZone;
+use jiff::{Timestamp, ZonedDateTime};
+
+use crate::args::{ArgError, ArgList, Args};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Per {
+    Day,
+    Month,
+}
+
+/// A period's label, `2026-11` for a month or `2026-11-29` for a day, kept on the stack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Label {
+    bytes: [u8; 16],
+    len: usize,
+}
+
+impl Label {
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Only ASCII digits and dashes are ever written.
+        std::str::from_utf8(self.as_bytes()).unwrap_or_default()
+    }
+}
+
+/// The current period in a zone: its label, and its end (the next period's first
+/// instant) in Unix seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Period {
+    pub label: Label,
+    pub start: i64,
+    pub end: i64,
+}
+
+impl Period {
+    /// The key's expiry: a day after the period ends, so old callers clean themselves up.
+    pub fn expire_at_millis(&self) -> i64 {
+        (self.end + 86_400) * 1000
+    }
+}
+
+/// The period containing `now_micros` in `zone`; None only for a clock outside the
+/// calendar's range (years beyond ±9999).
+pub fn period(per: Per, zone: &TimeZone, now_micros: i64) -> Option<Period> {
+    let now = ZonedDateTime::new(Timestamp::from_microsecond(now_micros).ok()?, zone.clone());
+    let today = now.date();
+    let (first_day, next_first_day) = match per {
+        Per::Day => (today, today.tomorrow().ok()?),
+        Per::Month => (
+            today.first_of_month(),
+            today.last_of_month().tomorrow().ok()?,
+        ),
+    };
+    // A day starts at its first instant: midnight, or the end of a DST gap at midnight.
+    let start = first_day.to_zoned_datetime(zone.clone()).ok()?.timestamp();
+    let end = next_first_day
+        .to_zoned_datetime(zone.clone())
+        .ok()?
+        .timestamp();
+    let mut label = Label {
+        bytes: [0; 16],
+        len: 0,
+    };
+    let mut out = &mut label.bytes[..];
+    let written = match per {
+        Per::Day => write!(
+            out,
+            "{:04}-{:02}-{:02}",
+            today.year(),
+            today.month(),
+            today.day()
+        ),
+        Per::Month => write!(out, "{:04}-{:02}", today.year(), today.month()),
+    };
+    written.ok()?;
+    label.len = 16 - out.len();
+    Some(Period {
+        label,
+        start: start.as_second(),
+        end: end.as_second(),
+    })
+}
+
+/// A zone by its IANA name (e.g. `Europe/Berlin`, `UTC`), from the bundled database.
+pub fn zone(name: &[u8]) -> Result<TimeZone, ArgError> {
+    let error = ArgError::Text {
+        name: "TZ",
+        rule: "a known IANA time zone name, e.g. Europe/Berlin or UTC",
+    };
+    let name = std::str::from_utf8(name).map_err(|_| error.clone())?;
+    jiff::tz::db().get(name).map_err(|_| error)
+}
+
+/// Calls and rows counted in the current period.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub calls: i64,
+    pub rows: i64,
+}
+
+/// A stored count: a non-negative integer; anything else counts as 0.
+fn count(bytes: Option<&[u8]>) -> i64 {
+    bytes
+        .and_then(crate::args::parse_integer)
+        .filter(|n| *n >= 0)
+        .unwrap_or(0)
+}
+
+/// The usage the hash holds for `period`; zero when it holds another period's.
+pub fn usage(
+    stored_period: Option<&[u8]>,
+    calls: Option<&[u8]>,
+    rows: Option<&[u8]>,
+    period: &Period,
+) -> Usage {
+    if stored_period != Some(period.label.as_bytes()) {
+        return Usage::default();
+    }
+    Usage {
+        calls: count(calls),
+        rows: count(rows),
+    }
+}
+
+/// QAG.QUOTA's verdict: allowed while every given count is below its limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Check {
+    pub allowed: bool,
+    pub calls_remaining: Option<i64>,
+    pub rows_remaining: Option<i64>,
+}
+
+pub fn check(usage: Usage, limits: Limits) -> Check {
+    let remaining = |used: i64, limit: Option<i64>| limit.map(|l| (l - used).max(0));
+    let below = |used: i64, limit: Option<i64>| limit.is_none_or(|l| used < l);
+    Check {
+        allowed: below(usage.calls, limits.calls) && below(usage.rows, limits.rows),
+        calls_remaining: remaining(usage.calls, limits.calls),
+        rows_remaining: remaining(usage.rows, limits.rows),
+    }
+}
+
+/// Adds a call's counts; None when a count would overflow.
+pub fn add(usage: Usage, counts: Usage) -> Option<Usage> {
+    Some(Usage {
+        calls: usage.calls.checked_add(counts.calls)?,
+        rows: usage.rows.checked_add(counts.rows)?,
+    })
+}
+
+/// Seeds from the gateway's durable store: each count becomes the larger of the two, so
+/// a seed never lowers a count nor loses calls made meanwhile.
+pub fn seed(usage: Usage, counts: Usage) -> Usage {
+    Usage {
+        calls: usage.calls.max(counts.calls),
+        rows: usage.rows.max(counts.rows),
+    }
+}
+
+/// The CALLS and ROWS limits of a check; None where not limited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    pub calls: Option<i64>,
+    pub rows: Option<i64>,
+}
+
+/// The arguments every quota command shares: `key PER day|month TZ zone`, then CALLS
+/// and ROWS (limits for QAG.QUOTA, counts for ADD and SEED), options in any order.
+#[derive(Clone, Debug)]
+pub struct QuotaArgs {
+    pub key: usize,
+    pub per: Per,
+    pub zone: TimeZone,
+    pub calls: Option<i64>,
+    pub rows: Option<i64>,
+}
+
+impl QuotaArgs {
+    /// The counts of ADD or SEED; a missing one adds nothing.
+    pub fn counts(&self) -> Usage {
+        Usage {
+            calls: self.calls.unwrap_or(0),
+            rows: self.rows.unwrap_or(0),
+        }
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits {
+            calls: self.calls,
+            rows: self.rows,
+        }
+    }
+}
+
+pub fn parse_quota<L: ArgList + ?Sized>(list: &L) -> Result<QuotaArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(5, 9)?;
+    let key = args.key()?;
+    let (mut per, mut zone, mut calls, mut rows) = (None, None, None, None);
+    let expected = "PER, TZ, CALLS or ROWS";
+    while let Some(option) = args.option(&["PER", "TZ", "CALLS", "ROWS"], expected)? {
+        match option {
+            0 => {
+                let index = args.string()?;
+                let value = match args.bytes(index) {
+                    v if v.eq_ignore_ascii_case(b"day") => Per::Day,
+                    v if v.eq_ignore_ascii_case(b"month") => Per::Month,
+                    _ => {
+                        return Err(ArgError::Text {
+                            name: "PER",
+                            rule: "day or month",
+                        })
+                    }
+                };
+                set_once(&mut per, value, "PER")?;
+            }
+            1 => {
+                let index = args.string()?;
+                set_once(&mut zone, self::zone(args.bytes(index))?, "TZ")?;
+            }
+            2 => set_once(&mut calls, args.integer("CALLS", 0, i64::MAX)?, "CALLS")?,
+            _ => set_once(&mut rows, args.integer("ROWS", 0, i64::MAX)?, "ROWS")?,
+        }
+    }
+    let (Some(per), Some(zone)) = (per, zone) else {
+        return Err(ArgError::Missing {
+            what: "PER day|month and TZ zone",
+        });
+    };
+    if calls.is_none() && rows.is_none() {
+        return Err(ArgError::Missing {
+            what: "CALLS or ROWS",
+        });
+    }
+    Ok(QuotaArgs {
+        key,
+        per,
+        zone,
+        calls,
+        rows,
+    })
+}
+
+fn set_once<T>(slot: &mut Option<T>, value: T, name: &'static str) -> Result<(), ArgError> {
+    if slot.is_some() {
+        return Err(ArgError::RepeatedOption { name });
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jiff::civil::date;
+
+    fn micros(zone: &str, y: i16, m: i8, d: i8, h: i8, min: i8) -> i64 {
+        let tz = jiff::tz::db().get(zone).unwrap();
+        date(y, m, d)
+            .at(h, min, 0, 0)
+            .to_zoned_datetime(tz)
+            .unwrap()
+            .timestamp()
+            .as_microsecond()
+    }
+
+    fn at(per: Per, zone: &str, y: i16, m: i8, d: i8, h: i8, min: i8) -> Period {
+        let tz = jiff::tz::db().get(zone).unwrap();
+        period(per, &tz, micros(zone, y, m, d, h, min)).unwrap()
+    }
+
+    fn utc(y: i16, m: i8, d: i8, h: i8) -> i64 {
+        micros("UTC", y, m, d, h, 0) / 1_000_000
+    }
+
+    #[test]
+    fn months_and_days_in_utc() {
+        let p = at(Per::Month, "UTC", 2026, 11, 29, 13, 5);
+        assert_eq!(p.label.as_str(), "2026-11");
+        assert_eq!((p.start, p.end), (utc(2026, 11, 1, 0), utc(2026, 12, 1, 0)));
+        let p = at(Per::Day, "UTC", 2026, 11, 29, 13, 5);
+        assert_eq!(p.label.as_str(), "2026-11-29");
+        assert_eq!(p.end - p.start, 86_400);
+        assert_eq!(p.expire_at_millis(), (utc(2026, 11, 30, 0) + 86_400) * 1000);
+    }
+
+    #[test]
+    fn year_ends_and_leap_years() {
+        let p = at(Per::Month, "UTC", 2026, 12, 31, 23, 59);
+        assert_eq!((p.label.as_str(), p.end), ("2026-12", utc(2027, 1, 1, 0)));
+        let p = at(Per::Month, "UTC", 2028, 2, 10, 0, 0);
+        assert_eq!(p.end - p.start, 29 * 86_400, "February of a leap year");
+        let p = at(Per::Month, "UTC", 2027, 2, 10, 0, 0);
+        assert_eq!(p.end - p.start, 28 * 86_400);
+        let p = at(Per::Day, "UTC", 2028, 2, 28, 12, 0);
+        assert_eq!(p.end, utc(2028, 2, 29, 0));
+    }
+
+    #[test]
+    fn boundaries_belong_to_the_period_they_start() {
+        let tz = jiff::tz::db().get("UTC").unwrap();
+        let boundary = utc(2026, 12, 1, 0) * 1_000_000;
+        assert_eq!(
+            period(Per::Month, &tz, boundary).unwrap().label.as_str(),
+            "2026-12"
+        );
+        assert_eq!(
+            period(Per::Month, &tz, boundary - 1)
+                .unwrap()
+                .label
+                .as_str(),
+            "2026-11"
+        );
+    }
+
+    #[test]
+    fn daylight_saving_days_of_23_and_25_hours() {
+        // Europe/Berlin: clocks go forward on 2026-03-29 and back on 2026-10-25.
+        let p = at(Per::Day, "Europe/Berlin", 2026, 3, 29, 12, 0);
+        assert_eq!(
+            (p.label.as_str(), p.end - p.start),
+            ("2026-03-29", 23 * 3600)
+        );
+        let p = at(Per::Day, "Europe/Berlin", 2026, 10, 25, 12, 0);
+        assert_eq!(
+            (p.label.as_str(), p.end - p.start),
+            ("2026-10-25", 25 * 3600)
+        );
+        // America/New_York: 2026-03-08 and 2026-11-01.
+        let p = at(Per::Day, "America/New_York", 2026, 3, 8, 12, 0);
+        assert_eq!(p.end - p.start, 23 * 3600);
+        let p = at(Per::Day, "America/New_York", 2026, 11, 1, 12, 0);
+        assert_eq!(p.end - p.start, 25 * 3600);
+        // The month that holds the change is an hour short.
+        let p = at(Per::Month, "Europe/Berlin", 2026, 3, 15, 0, 0);
+        assert_eq!(p.end - p.start, 31 * 86_400 - 3600);
+    }
+
+    #[test]
+    fn the_zone_decides_the_day() {
+        // 23:30 UTC on 2026-11-29 is already the 30th in Berlin, still the 29th in New York.
+        let now = micros("UTC", 2026, 11, 29, 23, 30);
+        let berlin = jiff::tz::db().get("Europe/Berlin").unwrap();
+        let new_york = jiff::tz::db().get("America/New_York").unwrap();
+        assert_eq!(
+            period(Per::Day, &berlin, now).unwrap().label.as_str(),
+            "2026-11-30"
+        );
+        assert_eq!(
+            period(Per::Day, &new_york, now).unwrap().label.as_str(),
+            "2026-11-29"
+        );
+        let p = period(Per::Month, &berlin, micros("UTC", 2026, 11, 30, 23, 30)).unwrap();
+        assert_eq!(p.label.as_str(), "2026-12", "already December in Berlin");
+    }
+
+    #[test]
+    fn a_day_that_starts_after_a_gap_at_midnight() {
+        // America/Santiago skipped 00:00-01:00 on 2026-09-06: the day starts at 01:00.
+        let p = at(Per::Day, "America/Santiago", 2026, 9, 6, 12, 0);
+        assert_eq!(p.end - p.start, 23 * 3600);
+    }
+
+    #[test]
+    fn zones_by_name() {
+        assert!(zone(b"Europe/Berlin").is_ok());
+        assert!(zone(b"UTC").is_ok());
+        for bad in [&b"Mars/Olympus"[..], b"", b"\xff", b"../../etc/passwd"] {
+            assert_eq!(
+                zone(bad).unwrap_err().to_string(),
+                "ERR TZ must be a known IANA time zone name, e.g. Europe/Berlin or UTC"
+            );
+        }
+    }
+
+    #[test]
+    fn usage_resets_with_a_new_period() {
+        let p = at(Per::Month, "UTC", 2026, 11, 29, 0, 0);
+        let now = usage(Some(b"2026-11"), Some(b"7"), Some(b"900"), &p);
+        assert_eq!(
+            now,
+            Usage {
+                calls: 7,
+                rows: 900
+            }
+        );
+        assert_eq!(
+            usage(Some(b"2026-10"), Some(b"7"), Some(b"900"), &p),
+            Usage::default()
+        );
+        assert_eq!(usage(None, Some(b"7"), None, &p), Usage::default());
+        assert_eq!(
+            usage(Some(b"2026-11"), Some(b"x"), Some(b"-4"), &p),
+            Usage::default()
+        );
+    }
+
+    #[test]
+    fn check_add_and_seed() {
+        let limits = Limits {
+            calls: Some(10),
+            rows: Some(1000),
+        };
+        let c = check(
+            Usage {
+                calls: 9,
+                rows: 999,
+            },
+            limits,
+        );
+        assert_eq!(
+            (c.allowed, c.calls_remaining, c.rows_remaining),
+            (true, Some(1), Some(1))
+        );
+        let c = check(Usage { calls: 10, rows: 5 }, limits);
+        assert!(!c.allowed);
+        let c = check(
+            Usage {
+                calls: 3,
+                rows: 1500,
+            },
+            limits,
+        );
+        assert_eq!(
+            (c.allowed, c.rows_remaining),
+            (false, Some(0)),
+            "never below 0"
+        );
+        let c = check(
+            Usage {
+                calls: 3,
+                rows: 1500,
+            },
+            Limits {
+                calls: Some(5),
+                rows: None,
+            },
+        );
+        assert_eq!((c.allowed, c.rows_remaining), (true, None));
+        let u = add(Usage { calls: 1, rows: 2 }, Usage { calls: 1, rows: 40 }).unwrap();
+        assert_eq!(u, Usage { calls: 2, rows: 42 });
+        assert_eq!(
+            add(
+                Usage {
+                    calls: i64::MAX,
+                    rows: 0
+                },
+                Usage { calls: 1, rows: 0 }
+            ),
+            None
+        );
+        let s = seed(Usage { calls: 5, rows: 50 }, Usage { calls: 3, rows: 80 });
+        assert_eq!(s, Usage { calls: 5, rows: 80 }, "never lowers a count");
+    }
+
+    fn parse(text: &str) -> Result<QuotaArgs, String> {
+        let words: Vec<&[u8]> = text.split(' ').map(str::as_bytes).collect();
+        parse_quota(&words[..]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn quota_arguments() {
+        let q = parse("QUOTA k PER month TZ Europe/Berlin CALLS 100").unwrap();
+        assert_eq!(
+            (q.key, q.per, q.calls, q.rows),
+            (1, Per::Month, Some(100), None)
+        );
+        let q = parse("QUOTA k rows 5 tz UTC per DAY calls 0").unwrap();
+        assert_eq!((q.per, q.calls, q.rows), (Per::Day, Some(0), Some(5)));
+        assert_eq!(q.counts(), Usage { calls: 0, rows: 5 });
+        for (text, error) in [
+            ("QUOTA k PER month TZ UTC", "ERR missing CALLS or ROWS"),
+            (
+                "QUOTA k PER month CALLS 1 ROWS 2",
+                "ERR missing PER day|month and TZ zone",
+            ),
+            (
+                "QUOTA k PER week TZ UTC CALLS 1",
+                "ERR PER must be day or month",
+            ),
+            (
+                "QUOTA k PER day TZ Nowhere CALLS 1",
+                "ERR TZ must be a known IANA time zone name, e.g. Europe/Berlin or UTC",
+            ),
+            (
+                "QUOTA k PER day TZ UTC CALLS -1",
+                "ERR CALLS must be an integer from 0 to 9223372036854775807",
+            ),
+            (
+                "QUOTA k PER day TZ UTC ROWS 1.5",
+                "ERR ROWS must be an integer from 0 to 9223372036854775807",
+            ),
+            (
+                "QUOTA k PER day TZ UTC CALLS 1 CALLS 2",
+                "ERR CALLS given more than once",
+            ),
+            (
+                "QUOTA k PER day TZ UTC LIMIT 1",
+                "ERR syntax error: expected PER, TZ, CALLS or ROWS",
+            ),
+            (
+                "QUOTA k PER day TZ UTC CALLS",
+                "ERR wrong number of arguments",
+            ),
+            ("QUOTA k PER day TZ", "ERR wrong number of arguments"),
+        ] {
+            assert_eq!(parse(text).err().as_deref(), Some(error), "{text}");
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! The quota family: QAG.QUOTA, QAG.QUOTA.ADD and QAG.QUOTA.SEED. A caller's usage in
+//! the current calendar period lives in a hash: `period` (its label), `calls`, `rows`.
+
+use std::ffi::CStr;
+
+use qag_core::quota::{self, Period, QuotaArgs, Usage};
+use redis_module::raw;
+
+use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row};
+use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
+
+static PERIOD: FieldName = FieldName::new("period");
+static CALLS: FieldName = FieldName::new("calls");
+static ROWS: FieldName = FieldName::new("rows");
+
+/// Makes the field names; called once when the module loads.
+pub fn init() {
+    PERIOD.create();
+    CALLS.create();
+    ROWS.create();
+}
+
+/// A quota key opened for one call, with the period the call falls in.
+struct Quota {
+    key: Key,
+    name: *mut raw::RedisModuleString,
+    period: Period,
+}
+
+impl Quota {
+    fn open(
+        ctx: &Ctx,
+        args: &RawArgs,
+        call: &QuotaArgs,
+        access: Access,
+    ) -> Result<Quota, CommandError> {
+        let name = args.string(call.key);
+        let key = Key::open(ctx, name, access, ValueType::Hash)?;
+        let period = quota::period(call.per, &call.zone, ctx.now_micros()).ok_or(
+            CommandError::Refused("ERR the server clock is outside the calendar's range"),
+        )?;
+        Ok(Quota { key, name, period })
+    }
+
+    /// The usage stored for the current period; zero when the hash holds an older one.
+    fn usage(&self, ctx: &Ctx) -> Usage {
+        let [period, calls, rows] = self.key.hash_get(ctx, [&PERIOD, &CALLS, &ROWS]);
+        quota::usage(
+            period.as_ref().map(OwnedString::bytes),
+            calls.as_ref().map(OwnedString::bytes),
+            rows.as_ref().map(OwnedString::bytes),
+            &self.period,
+        )
+    }
+
+    /// Writes the period's usage and expiry, replicated as HSET and PEXPIREAT.
+    fn write(&mut self, ctx: &Ctx, usage: Usage) -> Reply {
+        let label = OwnedString::new(ctx, self.period.label.as_str());
+        let calls = OwnedString::from_integer(ctx, usage.calls);
+        let rows = OwnedString::from_integer(ctx, usage.rows);
+        self.key
+            .hash_set([(&PERIOD, &label), (&CALLS, &calls), (&ROWS, &rows)]);
+        let expire_at = self.period.expire_at_millis();
+        self.key.set_expire_at(expire_at);
+        ctx.replicate_hset(
+            self.name,
+            &[
+                (PERIOD.raw(), label.raw),
+                (CALLS.raw(), calls.raw),
+                (ROWS.raw(), rows.raw),
+            ],
+        );
+        ctx.replicate_pexpireat(self.name, expire_at);
+        ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset", self.name);
+        ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
+        Reply::Array([usage.calls, usage.rows, self.period.end].into())
+    }
+}
+
+/// QAG.QUOTA key PER day|month TZ zone [CALLS limit] [ROWS limit]
+pub struct Check;
+
+impl Command for Check {
+    const NAME: &'static CStr = c"qag.quota";
+    const FLAGS: &'static CStr = c"readonly fast";
+    const ARITY: i32 = -6;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = false;
+    const SUMMARY: &'static CStr =
+        c"Checks a calendar quota before a call; replies [allowed, calls remaining, rows remaining, resets at]";
+    const COMPLEXITY: &'static CStr = c"O(1)";
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let call = quota::parse_quota(args)?;
+        let quota = Quota::open(ctx, args, &call, Access::Read)?;
+        let check = quota::check(quota.usage(ctx), call.limits());
+        Ok(Reply::Array(Row::new(&[
+            Some(i64::from(check.allowed)),
+            check.calls_remaining,
+            check.rows_remaining,
+            Some(quota.period.end),
+        ])))
+    }
+}
+
+/// QAG.QUOTA.ADD key PER day|month TZ zone CALLS n ROWS m
+pub struct Add;
+
+impl Command for Add {
+    const NAME: &'static CStr = c"qag.quota.add";
+    const FLAGS: &'static CStr = c"write deny-oom fast";
+    const ARITY: i32 = -6;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = true;
+    const SUMMARY: &'static CStr =
+        c"Counts a call's calls and rows into the current period; replies [calls used, rows used, resets at]";
+    const COMPLEXITY: &'static CStr = c"O(1)";
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let call = quota::parse_quota(args)?;
+        let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
+        let usage = quota::add(quota.usage(ctx), call.counts()).ok_or(CommandError::Refused(
+            "ERR the count would overflow; nothing was added",
+        ))?;
+        Ok(quota.write(ctx, usage))
+    }
+}
+
+/// QAG.QUOTA.SEED key PER day|month TZ zone CALLS n ROWS m
+pub struct Seed;
+
+impl Command for Seed {
+    const NAME: &'static CStr = c"qag.quota.seed";
+    const FLAGS: &'static CStr = c"write deny-oom fast";
+    const ARITY: i32 = -6;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = true;
+    const SUMMARY: &'static CStr =
+        c"Raises the current period's counts to at least the seeds; replies [calls used, rows used, resets at]";
+    const COMPLEXITY: &'static CStr = c"O(1)";
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let call = quota::parse_quota(args)?;
+        let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
+        let usage = quota::seed(quota.usage(ctx), call.counts());
+        Ok(quota.write(ctx, usage))
+    }
+}
