@@ -44,7 +44,7 @@ impl<'a> Bucket<'a> {
 
     /// What taking would do now, from the stored fields; writes nothing.
     fn take(&self, ctx: &Ctx, now_micros: i64) -> Outcome {
-        let [tokens, ts] = self.key.hash_get(ctx, [&TOKENS, &TS]);
+        let [tokens, ts] = self.key.hash_get(ctx, [TOKENS.raw(), TS.raw()]);
         let stored: Option<State> = bucket::parse_state(
             tokens.as_ref().map(OwnedString::bytes),
             ts.as_ref().map(OwnedString::bytes),
@@ -59,9 +59,13 @@ impl<'a> Bucket<'a> {
     fn write(&mut self, ctx: &Ctx, outcome: &Outcome, now_micros: i64) {
         let expire_at = bucket::expire_at_millis(now_micros, self.args.limit.period);
         let mut text = ryu::Buffer::new();
-        let tokens = OwnedString::new(ctx, format_number(&mut text, outcome.state.tokens));
-        let ts = OwnedString::new(ctx, format_number(&mut text, outcome.state.ts));
-        self.key.hash_set([(&TOKENS, &tokens), (&TS, &ts)]);
+        let tokens = OwnedString::new(
+            ctx,
+            format_number(&mut text, outcome.state.tokens).as_bytes(),
+        );
+        let ts = OwnedString::new(ctx, format_number(&mut text, outcome.state.ts).as_bytes());
+        self.key
+            .hash_set([(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
         self.key.set_expire_at(expire_at);
         ctx.replicate_hset(self.name, &[(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
         ctx.replicate_pexpireat(self.name, expire_at);

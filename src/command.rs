@@ -6,9 +6,12 @@ use std::ffi::{c_int, c_longlong, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
-use qag_core::args::{ArgError, ArgList};
+use qag_core::args::{counted_key_positions, ArgError, ArgList};
+use qag_core::window::MAX_SCOPES;
 use redis_module::commands::{get_redis_key_spec, BeginSearch, FindKeys, KeySpec, KeySpecFlags};
 use redis_module::raw;
+
+use crate::key::RawString;
 
 /// The context of one command call.
 pub struct Ctx(*mut raw::RedisModuleCtx);
@@ -74,6 +77,10 @@ pub enum KeyLayout {
     Single,
     /// Keys at arguments 1 and 4 (TAKE2's client and key buckets).
     FirstAndFourth,
+    /// As many keys as argument 1 says, from argument 2 on, one every `step` arguments.
+    /// The server's key specs cannot step over the arguments between the keys, so the
+    /// module answers key lookups itself (flag `getkeys-api`).
+    Counted { step: usize },
 }
 
 /// A qag command.
@@ -148,28 +155,30 @@ impl Ctx {
         ts.tv_sec * 1_000_000 + ts.tv_nsec / 1000
     }
 
-    /// Replicates `HSET key field value...` (at most four pairs) to replicas and the AOF.
-    pub fn replicate_hset(
-        &self,
-        key: *mut raw::RedisModuleString,
-        fields: &[(*mut raw::RedisModuleString, *mut raw::RedisModuleString)],
-    ) {
+    /// Replicates `command key args...` to replicas and the AOF: the plain command
+    /// that has the effect the module just had.
+    pub fn replicate(&self, command: &CStr, key: RawString, args: &[RawString]) {
+        // SAFETY: format "sv": the key, then an array of live strings and its length.
+        unsafe {
+            raw::RedisModule_Replicate.unwrap()(
+                self.0,
+                command.as_ptr(),
+                c"sv".as_ptr(),
+                key,
+                args.as_ptr(),
+                args.len(),
+            );
+        }
+    }
+
+    /// Replicates `HSET key field value...`, at most four pairs.
+    pub fn replicate_hset(&self, key: RawString, fields: &[(RawString, RawString)]) {
         let mut argv = [std::ptr::null_mut::<raw::RedisModuleString>(); 8];
         for (i, (field, value)) in fields.iter().enumerate() {
             argv[2 * i] = *field;
             argv[2 * i + 1] = *value;
         }
-        // SAFETY: format "sv": the key, then an array of live strings and its length.
-        unsafe {
-            raw::RedisModule_Replicate.unwrap()(
-                self.0,
-                c"HSET".as_ptr(),
-                c"sv".as_ptr(),
-                key,
-                argv.as_ptr(),
-                2 * fields.len(),
-            );
-        }
+        self.replicate(c"HSET", key, &argv[..2 * fields.len()]);
     }
 
     /// Replicates `PEXPIREAT key at_millis`.
@@ -202,28 +211,6 @@ impl Ctx {
                 key,
                 score as c_longlong,
                 member,
-            );
-        }
-    }
-
-    /// Replicates `ZREM key member...`; nothing when `members` is empty.
-    pub fn replicate_zrem(
-        &self,
-        key: *mut raw::RedisModuleString,
-        members: &[*mut raw::RedisModuleString],
-    ) {
-        if members.is_empty() {
-            return;
-        }
-        // SAFETY: format "sv": a string, then an array of strings and its length.
-        unsafe {
-            raw::RedisModule_Replicate.unwrap()(
-                self.0,
-                c"ZREM".as_ptr(),
-                c"sv".as_ptr(),
-                key,
-                members.as_ptr(),
-                members.len(),
             );
         }
     }
@@ -271,6 +258,15 @@ impl Ctx {
         }
     }
 
+    /// Answers the server's question of where the keys are (getkeys-api), without
+    /// running the command.
+    fn declare_keys(&self, args: &RawArgs, step: usize) {
+        for position in counted_key_positions(args, step, MAX_COUNTED_KEYS) {
+            // SAFETY: a position within the call's arguments.
+            unsafe { raw::RedisModule_KeyAtPos.unwrap()(self.0, position as c_int) };
+        }
+    }
+
     fn reply_error(&self, message: &str) {
         // An error text never holds a NUL; should one appear, say so rather than fail.
         let text = CString::new(message).unwrap_or_else(|_| c"ERR internal error".to_owned());
@@ -291,6 +287,13 @@ pub extern "C" fn invoke<C: Command>(
         argv,
         argc: usize::try_from(argc).unwrap_or(0),
     };
+    if let KeyLayout::Counted { step } = C::KEYS {
+        // SAFETY: the API table is filled in at load and never changes.
+        if unsafe { raw::RedisModule_IsKeysPositionRequest.unwrap()(ctx.0) } != 0 {
+            ctx.declare_keys(&args, step);
+            return raw::REDISMODULE_OK as c_int;
+        }
+    }
     match catch_unwind(AssertUnwindSafe(|| C::run(&ctx, &args))) {
         Ok(Ok(reply)) => ctx.reply(reply),
         Ok(Err(CommandError::Arg(ArgError::Arity))) => {
@@ -308,6 +311,9 @@ pub extern "C" fn invoke<C: Command>(
     }
     raw::REDISMODULE_OK as c_int
 }
+
+/// The most keys a counted layout declares.
+const MAX_COUNTED_KEYS: usize = MAX_SCOPES as usize;
 
 /// The layout of the `RedisModuleCommandInfo` structures this module was built with.
 const COMMAND_INFO_VERSION: raw::RedisModuleCommandInfoVersion =
@@ -332,9 +338,11 @@ pub fn register<C: Command>(
     features: &mut Features,
 ) -> Result<(), String> {
     let name = C::NAME.to_string_lossy();
+    // A counted layout has no fixed range: its key spec below declares the keys.
     let (first, last, step) = match C::KEYS {
         KeyLayout::Single => (1, 1, 1),
         KeyLayout::FirstAndFourth => (1, 4, 3),
+        KeyLayout::Counted { .. } => (0, 0, 0),
     };
     // SAFETY: called from OnLoad with the load context.
     let created = unsafe {
@@ -380,21 +388,27 @@ pub fn register<C: Command>(
     } else {
         (KeySpecFlags::READ_ONLY | KeySpecFlags::ACCESS).bits()
     };
-    let positions: &[i32] = match C::KEYS {
-        KeyLayout::Single => &[1],
-        KeyLayout::FirstAndFourth => &[1, 4],
+    let incomplete = match C::KEYS {
+        KeyLayout::Counted { step } if step > 1 => KeySpecFlags::INCOMPLETE.bits(),
+        _ => 0,
+    };
+    let flags = || KeySpecFlags::from_bits_retain(flag_bits | incomplete);
+    let specs = match C::KEYS {
+        KeyLayout::Single => vec![(1, FindKeys::new_range(0, 1, 0))],
+        KeyLayout::FirstAndFourth => vec![
+            (1, FindKeys::new_range(0, 1, 0)),
+            (4, FindKeys::new_range(0, 1, 0)),
+        ],
+        // The count at argument 1, the first key right after it.
+        // The count at argument 1, the first key right after it. Servers read a count
+        // as a number of arguments, not of keys, so with a step the spec finds only
+        // some keys: marked incomplete, it sends lookups to the command itself.
+        KeyLayout::Counted { step } => vec![(1, FindKeys::new_keys_num(0, 1, step as i32))],
     };
     let mut key_specs = get_redis_key_spec(
-        positions
-            .iter()
-            .map(|&pos| {
-                KeySpec::new(
-                    None,
-                    KeySpecFlags::from_bits_retain(flag_bits),
-                    BeginSearch::new_index(pos),
-                    FindKeys::new_range(0, 1, 0),
-                )
-            })
+        specs
+            .into_iter()
+            .map(|(pos, find)| KeySpec::new(None, flags(), BeginSearch::new_index(pos), find))
             .collect(),
     );
     let info = raw::RedisModuleCommandInfo {

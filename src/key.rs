@@ -9,6 +9,9 @@ use redis_module::raw;
 
 use crate::command::{string_bytes, CommandError, Ctx};
 
+/// A server string, as the key API takes it.
+pub type RawString = *mut raw::RedisModuleString;
+
 /// HashGet and HashSet flags: field names are server strings.
 const NONE: c_int = raw::REDISMODULE_HASH_NONE as c_int;
 /// The NULL that ends HashGet's and HashSet's variadic arguments.
@@ -75,7 +78,7 @@ impl Key {
     pub fn hash_get<const N: usize>(
         &self,
         ctx: &Ctx,
-        fields: [&FieldName; N],
+        fields: [RawString; N],
     ) -> [Option<OwnedString>; N] {
         let mut values = [ptr::null_mut::<raw::RedisModuleString>(); N];
         if self.exists {
@@ -85,16 +88,10 @@ impl Key {
                 // SAFETY: field names each followed by an out pointer, ended by NULL.
                 unsafe {
                     match (names, outs) {
-                        ([a, b], [va, vb]) => get(
-                            self.raw,
-                            NONE,
-                            a.raw(),
-                            va as *mut _,
-                            b.raw(),
-                            vb as *mut _,
-                            END,
-                        ),
-                        ([a], [va]) => get(self.raw, NONE, a.raw(), va as *mut _, END),
+                        ([a, b], [va, vb]) => {
+                            get(self.raw, NONE, *a, va as *mut _, *b, vb as *mut _, END)
+                        }
+                        ([a], [va]) => get(self.raw, NONE, *a, va as *mut _, END),
                         _ => unreachable!("chunks of two"),
                     };
                 }
@@ -103,23 +100,86 @@ impl Key {
         values.map(|v| OwnedString::adopt(ctx, v))
     }
 
-    /// Writes `N` fields, two to a call, creating the hash if needed.
-    pub fn hash_set<const N: usize>(&mut self, fields: [(&FieldName, &OwnedString); N]) {
+    /// Writes `N` fields (name, value), two to a call, creating the hash if needed.
+    pub fn hash_set<const N: usize>(&mut self, fields: [(RawString, RawString); N]) {
         // SAFETY: the API table is filled in at load and never changes.
         let set = unsafe { raw::RedisModule_HashSet.unwrap() };
         for pair in fields.chunks(2) {
             // SAFETY: as for HashGet; the server copies names and values.
             unsafe {
                 match pair {
-                    [(a, va), (b, vb)] => {
-                        set(self.raw, NONE, a.raw(), va.raw, b.raw(), vb.raw, END)
-                    }
-                    [(a, va)] => set(self.raw, NONE, a.raw(), va.raw, END),
+                    [(a, va), (b, vb)] => set(self.raw, NONE, *a, *va, *b, *vb, END),
+                    [(a, va)] => set(self.raw, NONE, *a, *va, END),
                     _ => unreachable!("chunks of two"),
                 };
             }
         }
         self.exists = true;
+    }
+
+    /// Deletes `field`; whether it was there.
+    pub fn hash_delete(&mut self, field: RawString) -> bool {
+        if !self.exists {
+            return false;
+        }
+        // HashSet deletes a field given this marker as its value.
+        let delete = 1usize as RawString;
+        // SAFETY: as for hash_set.
+        let deleted =
+            unsafe { raw::RedisModule_HashSet.unwrap()(self.raw, NONE, field, delete, END) };
+        deleted > 0
+    }
+
+    /// The names of the hash's fields that `select` picks, copied out of the hash so
+    /// that the caller may then delete them.
+    pub fn hash_fields_where(&self, ctx: &Ctx, select: &dyn Fn(&[u8]) -> bool) -> Vec<OwnedString> {
+        struct Scan<'a> {
+            ctx: &'a Ctx,
+            select: &'a dyn Fn(&[u8]) -> bool,
+            picked: Vec<OwnedString>,
+        }
+        extern "C" fn visit(
+            _key: *mut raw::RedisModuleKey,
+            field: RawString,
+            _value: RawString,
+            scan: *mut std::ffi::c_void,
+        ) {
+            // SAFETY: `scan` is the Scan below, alive for the whole ScanKey call; the
+            // field lives for this callback, and is copied before it ends.
+            let scan = unsafe { &mut *scan.cast::<Scan>() };
+            let name = unsafe { string_bytes(field) };
+            // A panic must not unwind into the server: a field it fails on is skipped.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (scan.select)(name)))
+                .unwrap_or(false)
+            {
+                let copy = unsafe {
+                    raw::RedisModule_CreateStringFromString.unwrap()(scan.ctx.raw(), field)
+                };
+                scan.picked.extend(OwnedString::adopt(scan.ctx, copy));
+            }
+        }
+        let mut scan = Scan {
+            ctx,
+            select,
+            picked: Vec::new(),
+        };
+        if !self.exists {
+            return scan.picked;
+        }
+        // SAFETY: a cursor used for one key and destroyed after; `scan` outlives it.
+        unsafe {
+            let cursor = raw::RedisModule_ScanCursorCreate.unwrap()();
+            let scan_key = raw::RedisModule_ScanKey.unwrap();
+            while scan_key(
+                self.raw,
+                cursor,
+                Some(visit),
+                (&mut scan as *mut Scan).cast(),
+            ) != 0
+            {}
+            raw::RedisModule_ScanCursorDestroy.unwrap()(cursor);
+        }
+        scan.picked
     }
 
     /// The score of `member`, None when absent.
@@ -241,10 +301,10 @@ impl OwnedString {
         }
     }
 
-    pub fn new(ctx: &Ctx, text: &str) -> OwnedString {
+    pub fn new(ctx: &Ctx, bytes: &[u8]) -> OwnedString {
         // SAFETY: a buffer of the given length.
         let raw = unsafe {
-            raw::RedisModule_CreateString.unwrap()(ctx.raw(), text.as_ptr().cast(), text.len())
+            raw::RedisModule_CreateString.unwrap()(ctx.raw(), bytes.as_ptr().cast(), bytes.len())
         };
         OwnedString {
             ctx: ctx.raw(),

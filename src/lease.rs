@@ -47,7 +47,7 @@ impl Slots {
         for &member in members {
             self.key.zset_remove(member);
         }
-        ctx.replicate_zrem(self.name, members);
+        ctx.replicate(c"ZREM", self.name, members);
         ctx.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zrem", self.name);
     }
 

@@ -7,6 +7,7 @@ mod key;
 mod lease;
 mod quota;
 mod testing;
+mod window;
 
 use redis_module::{redis_module, Context, RedisString, Status};
 
@@ -29,6 +30,8 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         .and_then(|_| register::<quota::Check>(ctx.ctx, &mut features))
         .and_then(|_| register::<quota::Add>(ctx.ctx, &mut features))
         .and_then(|_| register::<quota::Seed>(ctx.ctx, &mut features))
+        .and_then(|_| register::<window::Admit>(ctx.ctx, &mut features))
+        .and_then(|_| register::<window::Record>(ctx.ctx, &mut features))
         .and_then(|_| match test_commands {
             true => register::<testing::Panic>(ctx.ctx, &mut features),
             false => Ok(()),

@@ -44,7 +44,9 @@ impl Quota {
 
     /// The usage stored for the current period; zero when the hash holds an older one.
     fn usage(&self, ctx: &Ctx) -> Usage {
-        let [period, calls, rows] = self.key.hash_get(ctx, [&PERIOD, &CALLS, &ROWS]);
+        let [period, calls, rows] = self
+            .key
+            .hash_get(ctx, [PERIOD.raw(), CALLS.raw(), ROWS.raw()]);
         quota::usage(
             period.as_ref().map(OwnedString::bytes),
             calls.as_ref().map(OwnedString::bytes),
@@ -55,11 +57,14 @@ impl Quota {
 
     /// Writes the period's usage and expiry, replicated as HSET and PEXPIREAT.
     fn write(&mut self, ctx: &Ctx, usage: Usage) -> Reply {
-        let label = OwnedString::new(ctx, self.period.label.as_str());
+        let label = OwnedString::new(ctx, self.period.label.as_bytes());
         let calls = OwnedString::from_integer(ctx, usage.calls);
         let rows = OwnedString::from_integer(ctx, usage.rows);
-        self.key
-            .hash_set([(&PERIOD, &label), (&CALLS, &calls), (&ROWS, &rows)]);
+        self.key.hash_set([
+            (PERIOD.raw(), label.raw),
+            (CALLS.raw(), calls.raw),
+            (ROWS.raw(), rows.raw),
+        ]);
         let expire_at = self.period.expire_at_millis();
         self.key.set_expire_at(expire_at);
         ctx.replicate_hset(

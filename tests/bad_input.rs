@@ -137,6 +137,70 @@ fn bad_calls() -> Vec<(Vec<&'static [u8]>, &'static str)> {
     let add: &[u8] = b"QAG.QUOTA.ADD";
     let seed: &[u8] = b"QAG.QUOTA.SEED";
     let count_error = "must be an integer from 0 to 9223372036854775807";
+    let admit: &[u8] = b"QAG.ADMIT";
+    let record: &[u8] = b"QAG.RECORD";
+    let limit_error = "must be an integer from 0 to 9223372036854775807";
+    let mismatch = "numscopes does not match the number of arguments";
+    calls.extend([
+        (
+            vec![admit, b"1", b"B", b"1"],
+            "wrong number of arguments for 'qag.admit' command",
+        ),
+        (
+            vec![admit, b"0", b"B", b"1", b"1"],
+            "numscopes must be an integer from 1 to 64",
+        ),
+        (
+            vec![admit, b"65", b"B", b"1", b"1"],
+            "numscopes must be an integer from 1 to 64",
+        ),
+        (vec![admit, b"2", b"B", b"1", b"1"], mismatch),
+        (vec![admit, b"1", b"B", b"1", b"1", b"O"], mismatch),
+        (vec![admit, b"1", b"B", b"-1", b"1"], limit_error),
+        (vec![admit, b"1", b"B", b"1", b"nan"], limit_error),
+        (
+            vec![admit, b"1", b"B", b"1", b"1", b"WINDOW", b"0"],
+            "WINDOW must be an integer from 1 to 86400",
+        ),
+        (
+            vec![admit, b"1", b"B", b"1", b"1", b"WINDOW", b"86401"],
+            "WINDOW must be an integer from 1 to 86400",
+        ),
+        (
+            vec![admit, b"1", b"B", b"1", b"1", b"SPAN", b"5"],
+            "syntax error: expected WINDOW seconds",
+        ),
+        (
+            vec![admit, b"2", b"B", b"1", b"1", b"B", b"1", b"1"],
+            "each scope must have its own key",
+        ),
+        (
+            vec![admit, b"2", b"W", b"1", b"1", b"S", b"1", b"1"],
+            "WRONGTYPE",
+        ),
+        (
+            vec![admit, b"2", b"W", b"1", b"1", b"Z", b"1", b"1"],
+            "WRONGTYPE",
+        ),
+        (
+            vec![record, b"1", b"W"],
+            "wrong number of arguments for 'qag.record' command",
+        ),
+        (vec![record, b"2", b"W", b"5"], mismatch),
+        (vec![record, b"1", b"W", b"-5"], limit_error),
+        (
+            vec![
+                record,
+                b"1",
+                b"W",
+                b"9223372036854775807",
+                b"WINDOW",
+                b"3600",
+            ],
+            "overflow",
+        ),
+        (vec![record, b"2", b"W", b"S", b"5"], "WRONGTYPE"),
+    ]);
     calls.extend([
         (
             vec![quota, b"Q", b"PER", b"month", b"TZ"],
@@ -315,6 +379,7 @@ fn substitute(t: &Target, args: &[&[u8]]) -> Vec<Vec<u8>> {
             b"S" => t.key("string").into_bytes(),
             b"Z" => t.key("slots").into_bytes(),
             b"Q" => t.key("quota").into_bytes(),
+            b"W" => t.key("window").into_bytes(),
             other => other.to_vec(),
         })
         .collect()
@@ -323,8 +388,8 @@ fn substitute(t: &Target, args: &[&[u8]]) -> Vec<Vec<u8>> {
 /// Makes a key of every kind the commands use, and a string key; returns each with
 /// its snapshot.
 fn prepare(t: &Target, con: &mut Connection) -> Vec<(String, (Value, i64))> {
-    let [bucket, other, string, slots, quota] =
-        ["bucket", "other", "string", "slots", "quota"].map(|k| t.key(k));
+    let [bucket, other, string, slots, quota, window] =
+        ["bucket", "other", "string", "slots", "quota", "window"].map(|k| t.key(k));
     for key in [&bucket, &other] {
         let _: Value = cmd("QAG.TAKE").arg(key).arg(5).arg(60).query(con).unwrap();
     }
@@ -347,7 +412,24 @@ fn prepare(t: &Target, con: &mut Connection) -> Vec<(String, (Value, i64))> {
         .arg(&["PER", "day", "TZ", "UTC", "CALLS", "1"])
         .query(con)
         .unwrap();
-    [bucket, other, string, slots, quota]
+    let _: Value = cmd("QAG.ADMIT")
+        .arg(1)
+        .arg(&window)
+        .arg(5)
+        .arg(0)
+        .arg("WINDOW")
+        .arg(3600)
+        .query(con)
+        .unwrap();
+    let _: Value = cmd("QAG.RECORD")
+        .arg(1)
+        .arg(&window)
+        .arg(10)
+        .arg("WINDOW")
+        .arg(3600)
+        .query(con)
+        .unwrap();
+    [bucket, other, string, slots, quota, window]
         .into_iter()
         .map(|k| (k.clone(), snapshot(con, &k)))
         .collect()
@@ -428,7 +510,12 @@ fn random_arguments_never_crash_the_server() {
     .collect();
     // Each command with a valid call, as a template to mutate: B, O, S, Z, Q stand for
     // the keys below.
-    let templates: [(&str, &[&str]); 10] = [
+    let templates: [(&str, &[&str]); 12] = [
+        (
+            "QAG.ADMIT",
+            &["2", "W", "5", "100", "O", "1", "0", "WINDOW", "60"],
+        ),
+        ("QAG.RECORD", &["2", "W", "O", "25", "WINDOW", "60"]),
         ("QAG.TAKE", &["B", "5", "60", "COST", "2"]),
         ("QAG.TAKE2", &["B", "5", "60", "O", "5", "60", "COST", "1"]),
         ("QAG.PEEK", &["B", "5", "60"]),
@@ -455,6 +542,7 @@ fn random_arguments_never_crash_the_server() {
         t.key("string"),
         t.key("slots"),
         t.key("quota"),
+        t.key("window"),
     ];
     let mut answered = 0;
     for round in 0..4000 {
@@ -475,6 +563,7 @@ fn random_arguments_never_crash_the_server() {
                     "O" => keys[1].clone().into_bytes(),
                     "Z" => keys[3].clone().into_bytes(),
                     "Q" => keys[4].clone().into_bytes(),
+                    "W" => keys[5].clone().into_bytes(),
                     other => other.as_bytes().to_vec(),
                 })
                 .collect();

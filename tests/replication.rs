@@ -151,6 +151,28 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
             .arg(10 * round)
             .query(&mut p)
             .unwrap();
+        let (org, key) = ("qag:win:{t}:org", "qag:win:{t}:key");
+        let _: Value = cmd("QAG.ADMIT")
+            .arg(2)
+            .arg(org)
+            .arg(40)
+            .arg(5000)
+            .arg(key)
+            .arg(3)
+            .arg(0)
+            .arg("WINDOW")
+            .arg(1)
+            .query(&mut p)
+            .unwrap();
+        let _: Value = cmd("QAG.RECORD")
+            .arg(2)
+            .arg(org)
+            .arg(key)
+            .arg(100 + round)
+            .arg("WINDOW")
+            .arg(1)
+            .query(&mut p)
+            .unwrap();
         if round % 10 == 9 {
             std::thread::sleep(Duration::from_millis(300));
         }
@@ -159,7 +181,7 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     assert_eq!(acked, 1, "the replica acknowledged the stream");
     let on_primary = state(&mut p);
     let on_replica = state(&mut r);
-    assert_eq!(on_primary.len(), 9);
+    assert_eq!(on_primary.len(), 11);
     assert!(on_primary
         .iter()
         .any(|(k, members, _)| k == "qag:running:{t}" && !members.is_empty()));

@@ -44,8 +44,8 @@ pub enum ArgError {
     UnknownOption { expected: &'static str },
     /// The same option twice.
     RepeatedOption { name: &'static str },
-    /// A required argument or option is absent.
-    Missing { what: &'static str },
+    /// Arguments that are each well formed but do not fit together; the text says how.
+    Invalid(&'static str),
     /// A string argument `name` that breaks its `rule`.
     Text {
         name: &'static str,
@@ -68,7 +68,7 @@ impl fmt::Display for ArgError {
             }
             ArgError::Text { name, rule } => write!(f, "ERR {name} must be {rule}"),
             ArgError::RepeatedOption { name } => write!(f, "ERR {name} given more than once"),
-            ArgError::Missing { what } => write!(f, "ERR missing {what}"),
+            ArgError::Invalid(message) => write!(f, "ERR {message}"),
         }
     }
 }
@@ -168,6 +168,26 @@ impl<'a, L: ArgList + ?Sized> Args<'a, L> {
     }
 }
 
+/// Where the keys are in a call whose argument 1 counts them and whose first key is
+/// argument 2, one every `step` arguments: for the server's key lookups (ACL, cluster
+/// routing), which may come before the call is validated, so any input gives an answer.
+pub fn counted_key_positions<L: ArgList + ?Sized>(
+    list: &L,
+    step: usize,
+    most: usize,
+) -> Vec<usize> {
+    let count = (list.len() > 1)
+        .then(|| parse_integer(list.get(1)))
+        .flatten()
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(0)
+        .min(most);
+    (0..count)
+        .map(|i| 2 + i * step)
+        .take_while(|&position| position < list.len())
+        .collect()
+}
+
 /// A decimal integer: an optional sign and ASCII digits only.
 pub fn parse_integer(bytes: &[u8]) -> Option<i64> {
     std::str::from_utf8(bytes).ok()?.parse().ok()
@@ -257,6 +277,29 @@ mod tests {
         assert_eq!(
             a.option(&["COST"], "COST n"),
             Err(ArgError::UnknownOption { expected: "COST n" })
+        );
+    }
+
+    #[test]
+    fn counted_keys_are_found_even_in_bad_calls() {
+        let words = list(&["ADMIT", "2", "a", "1", "1", "b", "1", "1", "WINDOW", "5"]);
+        assert_eq!(counted_key_positions(&words[..], 3, 64), vec![2, 5]);
+        let words = list(&["RECORD", "2", "a", "b", "5"]);
+        assert_eq!(counted_key_positions(&words[..], 1, 64), vec![2, 3]);
+        let words = list(&["ADMIT", "9", "a", "1"]);
+        assert_eq!(
+            counted_key_positions(&words[..], 3, 64),
+            vec![2],
+            "only what is there"
+        );
+        for bad in [&["ADMIT"][..], &["ADMIT", "-1", "a"], &["ADMIT", "x", "a"]] {
+            assert!(counted_key_positions(&list(bad)[..], 3, 64).is_empty());
+        }
+        let words = list(&["ADMIT", "1000", "a", "b", "c"]);
+        assert_eq!(
+            counted_key_positions(&words[..], 1, 2),
+            vec![2, 3],
+            "at most `most`"
         );
     }
 

@@ -9,3 +9,4 @@ pub mod bucket;
 pub mod lease;
 pub mod number;
 pub mod quota;
+pub mod window;

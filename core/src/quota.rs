@@ -233,14 +233,10 @@ pub fn parse_quota<L: ArgList + ?Sized>(list: &L) -> Result<QuotaArgs, ArgError>
         }
     }
     let (Some(per), Some(zone)) = (per, zone) else {
-        return Err(ArgError::Missing {
-            what: "PER day|month and TZ zone",
-        });
+        return Err(ArgError::Invalid("missing PER day|month and TZ zone"));
     };
     if calls.is_none() && rows.is_none() {
-        return Err(ArgError::Missing {
-            what: "CALLS or ROWS",
-        });
+        return Err(ArgError::Invalid("missing CALLS or ROWS"));
     }
     Ok(QuotaArgs {
         key,

@@ -1,0 +1,545 @@
+//! Sliding-window admission across a chain of scopes (organisation, team, key, ...),
+//! each capped in requests and tokens per window. One counter per fixed window and
+//! kind; the previous window is weighted by how much of it still lies inside the
+//! trailing window.
+
+use crate::args::{ArgError, ArgList, Args};
+
+pub const MAX_SCOPES: i64 = 64;
+pub const DEFAULT_WINDOW_SECONDS: i64 = 60;
+pub const MAX_WINDOW_SECONDS: i64 = 86_400;
+
+/// A window length and the clock, both in microseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Clock {
+    pub window_micros: i64,
+    pub now_micros: i64,
+}
+
+impl Clock {
+    pub fn new(window_seconds: i64, now_micros: i64) -> Clock {
+        Clock {
+            window_micros: window_seconds * 1_000_000,
+            now_micros,
+        }
+    }
+
+    /// The current window's number: floor(now / window).
+    pub fn window(&self) -> i64 {
+        self.now_micros.div_euclid(self.window_micros)
+    }
+
+    fn elapsed_in_window(&self) -> i64 {
+        self.now_micros.rem_euclid(self.window_micros)
+    }
+
+    /// The previous window's weight: the share of it still inside the trailing window,
+    /// 1 on a boundary, 0.5 half way through.
+    pub fn previous_weight(&self) -> f64 {
+        (self.window_micros - self.elapsed_in_window()) as f64 / self.window_micros as f64
+    }
+
+    /// Whole seconds left in the current window, at least 1: when the weighting next
+    /// moves in the caller's favour.
+    pub fn seconds_left(&self) -> i64 {
+        let left = self.window_micros - self.elapsed_in_window();
+        ((left + 999_999) / 1_000_000).max(1)
+    }
+
+    /// The key's expiry: two windows after this write.
+    pub fn expire_at_millis(&self) -> i64 {
+        (self.now_micros + 2 * self.window_micros).div_euclid(1000)
+    }
+}
+
+/// A scope's limits per window; 0 means no limit of that kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub rpm: i64,
+    pub tpm: i64,
+}
+
+/// A scope's counters in the current and the previous window.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub requests: i64,
+    pub previous_requests: i64,
+    pub tokens: i64,
+    pub previous_tokens: i64,
+}
+
+/// current + previous × weight.
+pub fn estimate(current: i64, previous: i64, clock: &Clock) -> f64 {
+    current as f64 + previous as f64 * clock.previous_weight()
+}
+
+/// QAG.ADMIT's answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Admission {
+    pub admitted: bool,
+    /// The 1-based index of the first refusing scope, 0 when admitted.
+    pub refused_by: usize,
+    pub retry_after: i64,
+    /// The least over the scopes that limit requests, after this call; -1 when none does.
+    pub requests_remaining: i64,
+    pub tokens_remaining: i64,
+}
+
+impl Admission {
+    pub fn as_reply(&self) -> [i64; 5] {
+        [
+            i64::from(self.admitted),
+            self.refused_by as i64,
+            self.retry_after,
+            self.requests_remaining,
+            self.tokens_remaining,
+        ]
+    }
+}
+
+/// Decides a request against every scope, in order: admitted only if each passes
+/// (estimated requests + 1 ≤ rpm, estimated tokens < tpm). An admitted request adds 1
+/// to every scope's current request counter; a refused one adds nothing.
+pub fn admit(scopes: &[(Limits, Counters)], clock: &Clock) -> Admission {
+    let refused_by = scopes
+        .iter()
+        .position(|(limits, counters)| {
+            let requests = estimate(counters.requests, counters.previous_requests, clock);
+            let tokens = estimate(counters.tokens, counters.previous_tokens, clock);
+            (limits.rpm > 0 && requests + 1.0 > limits.rpm as f64)
+                || (limits.tpm > 0 && tokens >= limits.tpm as f64)
+        })
+        .map_or(0, |index| index + 1);
+    let admitted = refused_by == 0;
+    let charged = if admitted { 1.0 } else { 0.0 };
+    let least = |remaining: &mut dyn Iterator<Item = f64>| {
+        remaining
+            .map(|r| r.floor().max(0.0) as i64)
+            .min()
+            .unwrap_or(-1)
+    };
+    let requests_remaining =
+        least(&mut scopes.iter().filter(|(l, _)| l.rpm > 0).map(|(l, c)| {
+            l.rpm as f64 - estimate(c.requests, c.previous_requests, clock) - charged
+        }));
+    let tokens_remaining = least(
+        &mut scopes
+            .iter()
+            .filter(|(l, _)| l.tpm > 0)
+            .map(|(l, c)| l.tpm as f64 - estimate(c.tokens, c.previous_tokens, clock)),
+    );
+    Admission {
+        admitted,
+        refused_by,
+        retry_after: if admitted { 0 } else { clock.seconds_left() },
+        requests_remaining,
+        tokens_remaining,
+    }
+}
+
+/// Reads a stored counter: a non-negative integer, anything else 0.
+pub fn counter(bytes: Option<&[u8]>) -> i64 {
+    bytes
+        .and_then(crate::args::parse_integer)
+        .filter(|n| *n >= 0)
+        .unwrap_or(0)
+}
+
+/// A field name, `req:<n>` or `tok:<n>`, formatted on the stack.
+#[derive(Clone, Copy)]
+pub struct FieldName {
+    bytes: [u8; 24],
+    len: usize,
+}
+
+impl FieldName {
+    pub fn new(kind: Kind, window: i64) -> FieldName {
+        use std::io::Write;
+        let mut bytes = [0u8; 24];
+        let mut out = &mut bytes[..];
+        // "req:" plus at most 20 characters of an i64 always fit in 24 bytes.
+        let _ = write!(out, "{}:{window}", kind.prefix());
+        let len = 24 - out.len();
+        FieldName { bytes, len }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Requests,
+    Tokens,
+}
+
+impl Kind {
+    fn prefix(self) -> &'static str {
+        match self {
+            Kind::Requests => "req",
+            Kind::Tokens => "tok",
+        }
+    }
+}
+
+/// Whether `field` is a counter of a window older than the previous one: a write
+/// removes those. Fields of other names are never touched.
+pub fn is_stale(field: &[u8], clock: &Clock) -> bool {
+    let number = field
+        .strip_prefix(b"req:")
+        .or_else(|| field.strip_prefix(b"tok:"))
+        .and_then(crate::args::parse_integer);
+    number.is_some_and(|n| n < clock.window() - 1)
+}
+
+/// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdmitArgs {
+    /// Each scope's key (an argument index) and limits, in the order given.
+    pub scopes: Vec<(usize, Limits)>,
+    pub window_seconds: i64,
+}
+
+/// QAG.RECORD numscopes key [key ...] tokens [WINDOW seconds]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordArgs {
+    pub keys: Vec<usize>,
+    pub tokens: i64,
+    pub window_seconds: i64,
+}
+
+/// `numscopes`, checked against the arguments that follow: `per_scope` each, then
+/// `trailing`, then an optional `WINDOW seconds`.
+fn scope_count<L: ArgList + ?Sized>(
+    args: &mut Args<'_, L>,
+    per_scope: usize,
+    trailing: usize,
+) -> Result<usize, ArgError> {
+    let n = args.integer("numscopes", 1, MAX_SCOPES)? as usize;
+    let rest = args.remaining();
+    let expected = n * per_scope + trailing;
+    if rest != expected && rest != expected + 2 {
+        return Err(ArgError::Invalid(
+            "numscopes does not match the number of arguments",
+        ));
+    }
+    Ok(n)
+}
+
+fn window<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<i64, ArgError> {
+    match args.option(&["WINDOW"], "WINDOW seconds")? {
+        Some(_) => args.integer("WINDOW", 1, MAX_WINDOW_SECONDS),
+        None => Ok(DEFAULT_WINDOW_SECONDS),
+    }
+}
+
+/// Refuses a chain that names a key twice: its counters would be charged twice.
+fn distinct<L: ArgList + ?Sized>(args: &Args<'_, L>, keys: &[usize]) -> Result<(), ArgError> {
+    for (i, a) in keys.iter().enumerate() {
+        if keys[..i].iter().any(|b| args.bytes(*a) == args.bytes(*b)) {
+            return Err(ArgError::Invalid("each scope must have its own key"));
+        }
+    }
+    Ok(())
+}
+
+pub fn parse_admit<L: ArgList + ?Sized>(list: &L) -> Result<AdmitArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(4, usize::MAX)?;
+    let n = scope_count(&mut args, 3, 0)?;
+    let mut scopes = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key = args.key()?;
+        let rpm = args.integer("rpm", 0, i64::MAX)?;
+        let tpm = args.integer("tpm", 0, i64::MAX)?;
+        scopes.push((key, Limits { rpm, tpm }));
+    }
+    let keys: Vec<usize> = scopes.iter().map(|(k, _)| *k).collect();
+    distinct(&args, &keys)?;
+    let window_seconds = window(&mut args)?;
+    Ok(AdmitArgs {
+        scopes,
+        window_seconds,
+    })
+}
+
+pub fn parse_record<L: ArgList + ?Sized>(list: &L) -> Result<RecordArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(3, usize::MAX)?;
+    let n = scope_count(&mut args, 1, 1)?;
+    let keys: Vec<usize> = (0..n).map(|_| args.key()).collect::<Result<_, _>>()?;
+    distinct(&args, &keys)?;
+    let tokens = args.integer("tokens", 0, i64::MAX)?;
+    let window_seconds = window(&mut args)?;
+    Ok(RecordArgs {
+        keys,
+        tokens,
+        window_seconds,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const W: i64 = 60;
+    /// The start of window 29_407_350 of 60 s (2025-11-29T12:30:00Z).
+    const START: i64 = 29_407_350 * 60 * 1_000_000;
+
+    fn clock(offset_seconds: f64) -> Clock {
+        Clock::new(W, START + (offset_seconds * 1e6) as i64)
+    }
+
+    fn scope(rpm: i64, tpm: i64, counters: [i64; 4]) -> (Limits, Counters) {
+        let [requests, previous_requests, tokens, previous_tokens] = counters;
+        (
+            Limits { rpm, tpm },
+            Counters {
+                requests,
+                previous_requests,
+                tokens,
+                previous_tokens,
+            },
+        )
+    }
+
+    #[test]
+    fn the_previous_window_counts_in_full_at_the_boundary_and_half_at_mid_window() {
+        assert_eq!(clock(0.0).previous_weight(), 1.0);
+        assert_eq!(clock(30.0).previous_weight(), 0.5);
+        assert_eq!(clock(45.0).previous_weight(), 0.25);
+        assert_eq!(estimate(3, 10, &clock(0.0)), 13.0);
+        assert_eq!(estimate(3, 10, &clock(30.0)), 8.0);
+        assert_eq!(clock(0.0).window(), clock(59.999999).window());
+        assert_eq!(clock(60.0).window(), clock(0.0).window() + 1);
+    }
+
+    #[test]
+    fn traffic_bunched_at_the_end_of_the_previous_window_is_under_weighted() {
+        // 10 requests in the last second of the previous window, rpm 10: the formula
+        // weights them by the time left in the current window, not by when they came.
+        let late = [0, 10, 0, 0];
+        let a = admit(&[scope(10, 0, late)], &clock(1.0));
+        assert!(!a.admitted, "59/60 of 10 + 1 > 10");
+        let a = admit(&[scope(10, 0, late)], &clock(15.0));
+        assert!(
+            a.admitted,
+            "7.5 + 1 ≤ 10 a quarter in, though all 10 came seconds ago"
+        );
+        assert_eq!(a.requests_remaining, 1);
+    }
+
+    #[test]
+    fn admission_and_remaining() {
+        let a = admit(&[scope(5, 100, [2, 0, 40, 0])], &clock(10.0));
+        assert_eq!(a.as_reply(), [1, 0, 0, 2, 60]);
+        let a = admit(&[scope(5, 100, [4, 0, 40, 0])], &clock(10.0));
+        assert_eq!(a.as_reply(), [1, 0, 0, 0, 60], "the fifth of five");
+        let a = admit(&[scope(5, 100, [5, 0, 40, 0])], &clock(10.0));
+        assert_eq!(a.as_reply(), [0, 1, 50, 0, 60], "refused; nothing charged");
+        let a = admit(&[scope(0, 0, [500, 500, 500, 500])], &clock(10.0));
+        assert_eq!(a.as_reply(), [1, 0, 0, -1, -1], "no limits at all");
+    }
+
+    #[test]
+    fn a_full_token_window_refuses() {
+        let a = admit(&[scope(0, 1000, [0, 0, 1000, 0])], &clock(59.5));
+        assert_eq!(a.as_reply(), [0, 1, 1, -1, 0], "at least a second to retry");
+        let a = admit(&[scope(0, 1000, [0, 0, 999, 0])], &clock(59.5));
+        assert_eq!(a.as_reply(), [1, 0, 0, -1, 1]);
+    }
+
+    #[test]
+    fn the_first_refusing_scope_wins() {
+        let org = scope(100, 0, [10, 0, 0, 0]);
+        let team = scope(10, 0, [10, 0, 0, 0]);
+        let key = scope(1, 0, [1, 0, 0, 0]);
+        let a = admit(&[org, team, key], &clock(10.0));
+        assert_eq!((a.admitted, a.refused_by), (false, 2));
+        assert_eq!(a.requests_remaining, 0);
+        let a = admit(&[org, key, team], &clock(10.0));
+        assert_eq!(a.refused_by, 2);
+        let a = admit(&[org, scope(20, 0, [10, 0, 0, 0])], &clock(10.0));
+        assert_eq!(
+            a.as_reply(),
+            [1, 0, 0, 9, -1],
+            "the least remaining, after this call"
+        );
+    }
+
+    #[test]
+    fn field_names_and_stale_windows() {
+        assert_eq!(
+            FieldName::new(Kind::Requests, 29_407_350).as_bytes(),
+            b"req:29407350"
+        );
+        assert_eq!(FieldName::new(Kind::Tokens, -1).as_bytes(), b"tok:-1");
+        assert_eq!(
+            FieldName::new(Kind::Tokens, i64::MIN).as_bytes(),
+            b"tok:-9223372036854775808"
+        );
+        let c = clock(0.0);
+        let n = c.window();
+        let name = |kind, w| FieldName::new(kind, w).as_bytes().to_vec();
+        assert!(!is_stale(&name(Kind::Requests, n), &c));
+        assert!(!is_stale(&name(Kind::Tokens, n - 1), &c));
+        assert!(
+            !is_stale(&name(Kind::Tokens, n + 5), &c),
+            "a later window is not older"
+        );
+        assert!(is_stale(&name(Kind::Requests, n - 2), &c));
+        assert!(is_stale(&name(Kind::Tokens, 1), &c));
+        assert!(is_stale(b"req:-5", &c));
+        for other in [
+            &b"tokens"[..],
+            b"ts",
+            b"req:",
+            b"req:x",
+            b"reqs:1",
+            b"REQ:1",
+        ] {
+            assert!(!is_stale(other, &c), "{other:?}");
+        }
+        assert_eq!(counter(Some(b"12")), 12);
+        assert_eq!(counter(Some(b"-3")), 0);
+        assert_eq!(counter(None), 0);
+    }
+
+    #[test]
+    fn retry_and_expiry() {
+        assert_eq!(clock(0.0).seconds_left(), 60);
+        assert_eq!(clock(59.2).seconds_left(), 1);
+        assert_eq!(clock(58.2).seconds_left(), 2);
+        assert_eq!(clock(0.0).expire_at_millis(), START / 1000 + 120_000);
+    }
+
+    fn parse_a(text: &str) -> Result<AdmitArgs, String> {
+        let words: Vec<&[u8]> = text.split(' ').map(str::as_bytes).collect();
+        parse_admit(&words[..]).map_err(|e| e.to_string())
+    }
+
+    fn parse_r(text: &str) -> Result<RecordArgs, String> {
+        let words: Vec<&[u8]> = text.split(' ').map(str::as_bytes).collect();
+        parse_record(&words[..]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn admit_arguments() {
+        let a = parse_a("ADMIT 2 org 100 0 key 5 1000").unwrap();
+        assert_eq!(
+            a.scopes,
+            vec![
+                (2, Limits { rpm: 100, tpm: 0 }),
+                (5, Limits { rpm: 5, tpm: 1000 })
+            ]
+        );
+        assert_eq!(a.window_seconds, 60);
+        assert_eq!(
+            parse_a("ADMIT 1 k 1 1 window 10").unwrap().window_seconds,
+            10
+        );
+        for (text, error) in [
+            (
+                "ADMIT 2 org 100 0",
+                "ERR numscopes does not match the number of arguments",
+            ),
+            (
+                "ADMIT 1 org 100 0 extra",
+                "ERR numscopes does not match the number of arguments",
+            ),
+            (
+                "ADMIT 0 org 1 1",
+                "ERR numscopes must be an integer from 1 to 64",
+            ),
+            (
+                "ADMIT 65 org 1 1",
+                "ERR numscopes must be an integer from 1 to 64",
+            ),
+            (
+                "ADMIT x org 1 1",
+                "ERR numscopes must be an integer from 1 to 64",
+            ),
+            (
+                "ADMIT 1 org -1 1",
+                "ERR rpm must be an integer from 0 to 9223372036854775807",
+            ),
+            (
+                "ADMIT 1 org 1 1.5",
+                "ERR tpm must be an integer from 0 to 9223372036854775807",
+            ),
+            (
+                "ADMIT 1 org 1 1 WINDOW 0",
+                "ERR WINDOW must be an integer from 1 to 86400",
+            ),
+            (
+                "ADMIT 1 org 1 1 WINDOW 86401",
+                "ERR WINDOW must be an integer from 1 to 86400",
+            ),
+            (
+                "ADMIT 1 org 1 1 SPAN 5",
+                "ERR syntax error: expected WINDOW seconds",
+            ),
+            (
+                "ADMIT 2 org 1 1 org 2 2",
+                "ERR each scope must have its own key",
+            ),
+            ("ADMIT 1 org 1", "ERR wrong number of arguments"),
+        ] {
+            assert_eq!(parse_a(text).err().as_deref(), Some(error), "{text}");
+        }
+    }
+
+    #[test]
+    fn record_arguments() {
+        let r = parse_r("RECORD 3 org team key 250").unwrap();
+        assert_eq!(
+            (r.keys, r.tokens, r.window_seconds),
+            (vec![2, 3, 4], 250, 60)
+        );
+        assert_eq!(parse_r("RECORD 1 k 0 WINDOW 5").unwrap().window_seconds, 5);
+        for (text, error) in [
+            (
+                "RECORD 2 org 250",
+                "ERR numscopes does not match the number of arguments",
+            ),
+            (
+                "RECORD 1 org -5",
+                "ERR tokens must be an integer from 0 to 9223372036854775807",
+            ),
+            ("RECORD 2 org org 5", "ERR each scope must have its own key"),
+            ("RECORD 1 org", "ERR wrong number of arguments"),
+        ] {
+            assert_eq!(parse_r(text).err().as_deref(), Some(error), "{text}");
+        }
+    }
+
+    proptest! {
+        /// However the counters and the clock fall, an admission is consistent: the
+        /// refusing scope really fails, every scope before it passes, and remaining
+        /// values are never negative.
+        #[test]
+        fn admission_is_consistent(
+            raw in proptest::collection::vec((0i64..50, 0i64..500, 0i64..50, 0i64..50, 0i64..500, 0i64..500), 1..8),
+            offset in 0.0f64..60.0,
+        ) {
+            let clock = clock(offset);
+            let scopes: Vec<_> = raw.iter().map(|&(rpm, tpm, r, pr, t, pt)| scope(rpm, tpm, [r, pr, t, pt])).collect();
+            let a = admit(&scopes, &clock);
+            let fails = |(l, c): &(Limits, Counters)| {
+                (l.rpm > 0 && estimate(c.requests, c.previous_requests, &clock) + 1.0 > l.rpm as f64)
+                    || (l.tpm > 0 && estimate(c.tokens, c.previous_tokens, &clock) >= l.tpm as f64)
+            };
+            if a.admitted {
+                prop_assert!(scopes.iter().all(|s| !fails(s)));
+                prop_assert_eq!(a.retry_after, 0);
+            } else {
+                prop_assert!(fails(&scopes[a.refused_by - 1]));
+                prop_assert!(scopes[..a.refused_by - 1].iter().all(|s| !fails(s)));
+                prop_assert!((1..=60).contains(&a.retry_after));
+            }
+            prop_assert!(a.requests_remaining >= -1 && a.tokens_remaining >= -1);
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! QAG.ADMIT and QAG.RECORD on a real server.
+
+mod common;
+
+use std::sync::{Arc, Barrier};
+
+use common::*;
+
+/// Admits one request against `scopes` (key, rpm, tpm) with a window of `window` s.
+fn admit(con: &mut Connection, scopes: &[(&str, i64, i64)], window: i64) -> [i64; 5] {
+    let mut c = cmd("QAG.ADMIT");
+    c.arg(scopes.len());
+    for (key, rpm, tpm) in scopes {
+        c.arg(*key).arg(*rpm).arg(*tpm);
+    }
+    let v: Vec<i64> = c.arg("WINDOW").arg(window).query(con).unwrap();
+    v.try_into().unwrap()
+}
+
+fn record(con: &mut Connection, keys: &[&str], tokens: i64, window: i64) -> i64 {
+    cmd("QAG.RECORD")
+        .arg(keys.len())
+        .arg(keys)
+        .arg(tokens)
+        .arg("WINDOW")
+        .arg(window)
+        .query(con)
+        .unwrap()
+}
+
+/// The sum of a scope's `req:` (or `tok:`) counters over every window it holds.
+fn counted(con: &mut Connection, key: &str, prefix: &str) -> i64 {
+    let fields: Vec<(String, i64)> = cmd("HGETALL").arg(key).query(con).unwrap();
+    fields
+        .iter()
+        .filter(|(f, _)| f.starts_with(prefix))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// Runs `per_connection` ADMITs on each of `connections` connections at once; returns
+/// how many were admitted.
+fn race(
+    t: &Target,
+    connections: usize,
+    per_connection: usize,
+    scopes: Vec<(String, i64, i64)>,
+) -> i64 {
+    let barrier = Arc::new(Barrier::new(connections));
+    let handles: Vec<_> = (0..connections)
+        .map(|_| {
+            let (client, barrier, scopes) = (t.client.clone(), barrier.clone(), scopes.clone());
+            std::thread::spawn(move || {
+                let mut con = client.get_connection().unwrap();
+                let scopes: Vec<(&str, i64, i64)> = scopes
+                    .iter()
+                    .map(|(k, r, t)| (k.as_str(), *r, *t))
+                    .collect();
+                barrier.wait();
+                (0..per_connection)
+                    .map(|_| admit(&mut con, &scopes, 3600)[0])
+                    .sum::<i64>()
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).sum()
+}
+
+#[test]
+fn sixty_four_connections_against_rpm_1_admit_exactly_one() {
+    let mut t = Target::new();
+    let key = t.key("{w}one");
+    let admitted = race(&t, 64, 1, vec![(key.clone(), 1, 0)]);
+    assert_eq!(admitted, 1);
+    assert_eq!(counted(&mut t.con(), &key, "req:"), 1);
+    t.assert_healthy();
+}
+
+#[test]
+fn three_connections_racing_96_requests_against_rpm_5() {
+    let mut t = Target::new();
+    let key = t.key("{w}five");
+    let admitted = race(&t, 3, 32, vec![(key.clone(), 5, 0)]);
+    assert_eq!(admitted, 5, "exactly 5 admitted");
+    assert_eq!(counted(&mut t.con(), &key, "req:"), 5, "exactly 5 counted");
+    t.assert_healthy();
+}
+
+#[test]
+fn the_keys_cap_wins_and_the_organisation_pays_only_for_what_it_admitted() {
+    let mut t = Target::new();
+    let (org, team, key) = (t.key("{w}org"), t.key("{w}team"), t.key("{w}key"));
+    let chain = vec![
+        (org.clone(), 1000, 0),
+        (team.clone(), 100, 0),
+        (key.clone(), 7, 0),
+    ];
+    let admitted = race(&t, 4, 20, chain);
+    assert_eq!(admitted, 7);
+    let mut con = t.con();
+    for scope in [&org, &team, &key] {
+        assert_eq!(counted(&mut con, scope, "req:"), 7, "{scope}");
+    }
+    // The key refuses (scope 3); retry_after is the rest of the window.
+    let reply = admit(
+        &mut con,
+        &[(&org, 1000, 0), (&team, 100, 0), (&key, 7, 0)],
+        3600,
+    );
+    assert_eq!(reply[..2], [0, 3]);
+    assert!((1..=3600).contains(&reply[2]), "{reply:?}");
+    assert_eq!(reply[3], 0, "the least requests remaining: the key's");
+    assert_eq!(reply[4], -1, "no scope limits tokens");
+    t.assert_healthy();
+}
+
+#[test]
+fn a_full_token_window_refuses_and_charges_no_request() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let (org, key) = (t.key("{tpm}org"), t.key("{tpm}key"));
+    let chain = [(org.as_str(), 100, 1000), (key.as_str(), 10, 0)];
+    assert_eq!(admit(&mut con, &chain, 3600), [1, 0, 0, 9, 1000]);
+    assert_eq!(record(&mut con, &[&org, &key], 600, 3600), 2);
+    assert_eq!(
+        admit(&mut con, &chain, 3600),
+        [1, 0, 0, 8, 400],
+        "RECORD moved tpm"
+    );
+    assert_eq!(record(&mut con, &[&org, &key], 400, 3600), 2);
+    let before = (
+        counted(&mut con, &org, "req:"),
+        counted(&mut con, &key, "req:"),
+    );
+    let reply = admit(&mut con, &chain, 3600);
+    assert_eq!(reply[..2], [0, 1], "the organisation's tokens are spent");
+    assert_eq!((reply[3], reply[4]), (8, 0));
+    let after = (
+        counted(&mut con, &org, "req:"),
+        counted(&mut con, &key, "req:"),
+    );
+    assert_eq!(after, before, "a refused request is charged to no scope");
+    assert_eq!(
+        counted(&mut con, &key, "tok:"),
+        1000,
+        "RECORD charges every scope named"
+    );
+    t.assert_healthy();
+}
+
+#[test]
+fn fields_and_expiry_follow_the_window() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("fields");
+    let _: () = cmd("HSET")
+        .arg(&key)
+        .arg("req:1")
+        .arg(5)
+        .arg("tok:1")
+        .arg(5)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(admit(&mut con, &[(&key, 10, 0)], 1), [1, 0, 0, 9, -1]);
+    let (s, us): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+    let fields: Vec<(String, i64)> = cmd("HGETALL").arg(&key).query(&mut con).unwrap();
+    let window = s; // WINDOW 1: the window number is the second
+    assert!(
+        fields == vec![(format!("req:{window}"), 1)]
+            || fields == vec![(format!("req:{}", window - 1), 1)],
+        "only the current window's counter: {fields:?}"
+    );
+    let pexpiretime: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
+    let now_ms = s * 1000 + us / 1000;
+    assert!(
+        (now_ms + 1_000..=now_ms + 2_000).contains(&pexpiretime),
+        "two windows: {pexpiretime} vs {now_ms}"
+    );
+    // An old hash whose windows are long gone: counted as nothing, cleaned on write.
+    let old = t.key("old");
+    let _: () = cmd("HSET")
+        .arg(&old)
+        .arg(format!("req:{}", window / 60 - 2))
+        .arg(99)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(admit(&mut con, &[(&old, 10, 0)], 60)[0], 1);
+    let fields: Vec<String> = cmd("HKEYS").arg(&old).query(&mut con).unwrap();
+    assert_eq!(fields.len(), 1, "{fields:?}");
+    t.assert_healthy();
+}
+
+#[test]
+fn keys_are_declared_even_between_limits() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let keys: Vec<String> = cmd("COMMAND")
+        .arg(&[
+            "GETKEYS",
+            "QAG.ADMIT",
+            "3",
+            "org",
+            "1",
+            "1",
+            "team",
+            "1",
+            "1",
+            "key",
+            "1",
+            "1",
+            "WINDOW",
+            "5",
+        ])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(keys, ["org", "team", "key"]);
+    let keys: Vec<String> = cmd("COMMAND")
+        .arg(&["GETKEYS", "QAG.RECORD", "2", "org", "key", "5"])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(keys, ["org", "key"]);
+    t.assert_healthy();
+}
