@@ -6,7 +6,6 @@ use std::ffi::CStr;
 use qag_core::args::ArgList;
 use qag_core::bucket::{self, State, Take as Outcome, TakeArgs};
 use qag_core::number::format_number;
-use redis_module::raw;
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
@@ -20,31 +19,28 @@ pub fn init() {
     TS.create();
 }
 
-/// A bucket opened for a call: its key, its name and the call's arguments for it.
+/// A bucket opened for a call: its key and the call's arguments for it.
 struct Bucket<'a> {
-    key: Key,
-    name: *mut raw::RedisModuleString,
+    key: Key<'a>,
     args: &'a TakeArgs,
 }
 
 impl<'a> Bucket<'a> {
     fn open(
-        ctx: &Ctx,
+        ctx: &'a Ctx,
         raw_args: &RawArgs,
         args: &'a TakeArgs,
         access: Access,
     ) -> Result<Self, CommandError> {
-        let name = raw_args.string(args.key);
         Ok(Bucket {
-            key: Key::open(ctx, name, access, ValueType::Hash)?,
-            name,
+            key: Key::open(ctx, raw_args.string(args.key), access, ValueType::Hash)?,
             args,
         })
     }
 
     /// What taking would do now, from the stored fields; writes nothing.
-    fn take(&self, ctx: &Ctx, now_micros: i64) -> Outcome {
-        let [tokens, ts] = self.key.hash_get(ctx, [TOKENS.raw(), TS.raw()]);
+    fn take(&self, now_micros: i64) -> Outcome {
+        let [tokens, ts] = self.key.hash_get([TOKENS.raw(), TS.raw()]);
         let stored: Option<State> = bucket::parse_state(
             tokens.as_ref().map(OwnedString::bytes),
             ts.as_ref().map(OwnedString::bytes),
@@ -53,11 +49,10 @@ impl<'a> Bucket<'a> {
         bucket::take(self.args.limit, self.args.cost, stored, now)
     }
 
-    /// Writes the outcome's state and the expiry back and replicates them as HSET and
-    /// PEXPIREAT: the effects, never the command, since the result depends on the
+    /// Writes the outcome's state and the expiry back; they replicate as HSET and
+    /// PEXPIREAT, the effects, never the command, since the result depends on the
     /// primary's clock.
     fn write(&mut self, ctx: &Ctx, outcome: &Outcome, now_micros: i64) {
-        let expire_at = bucket::expire_at_millis(now_micros, self.args.limit.period);
         let mut text = ryu::Buffer::new();
         let tokens = OwnedString::new(
             ctx,
@@ -65,12 +60,9 @@ impl<'a> Bucket<'a> {
         );
         let ts = OwnedString::new(ctx, format_number(&mut text, outcome.state.ts).as_bytes());
         self.key
-            .hash_set([(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
-        self.key.set_expire_at(expire_at);
-        ctx.replicate_hset(self.name, &[(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
-        ctx.replicate_pexpireat(self.name, expire_at);
-        ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset", self.name);
-        ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
+            .set_fields([(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
+        self.key
+            .expire_at(bucket::expire_at_millis(now_micros, self.args.limit.period));
     }
 }
 
@@ -91,7 +83,7 @@ impl Command for Take {
         let take = bucket::parse_take(args)?;
         let mut bucket = Bucket::open(ctx, args, &take, Access::ReadWrite)?;
         let now = ctx.now_micros();
-        let outcome = bucket.take(ctx, now);
+        let outcome = bucket.take(now);
         bucket.write(ctx, &outcome, now);
         Ok(Reply::Array(outcome.verdict.as_reply().into()))
     }
@@ -114,7 +106,7 @@ impl Command for TakePair {
         let pair = bucket::parse_take_pair(args)?;
         let now = ctx.now_micros();
         let mut client = Bucket::open(ctx, args, &pair.client, Access::ReadWrite)?;
-        let client_outcome = client.take(ctx, now);
+        let client_outcome = client.take(now);
         let client_reply = client_outcome.verdict.as_reply().into();
 
         if args.get(pair.client.key) == args.get(pair.key.key) {
@@ -127,7 +119,7 @@ impl Command for TakePair {
                 args: &pair.key,
                 ..client
             };
-            let outcome = again.take(ctx, now);
+            let outcome = again.take(now);
             again.write(ctx, &outcome, now);
             return Ok(Reply::Pair(
                 client_reply,
@@ -143,7 +135,7 @@ impl Command for TakePair {
         }
         // Both keys are open and of the right type before either is written.
         let mut key = Bucket::open(ctx, args, &pair.key, Access::ReadWrite)?;
-        let key_outcome = key.take(ctx, now);
+        let key_outcome = key.take(now);
         client.write(ctx, &client_outcome, now);
         key.write(ctx, &key_outcome, now);
         Ok(Reply::Pair(
@@ -169,7 +161,7 @@ impl Command for Peek {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let peek = bucket::parse_take(args)?;
         let bucket = Bucket::open(ctx, args, &peek, Access::Read)?;
-        let outcome = bucket.take(ctx, ctx.now_micros());
+        let outcome = bucket.take(ctx.now_micros());
         Ok(Reply::Array(outcome.verdict.as_reply().into()))
     }
 }

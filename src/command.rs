@@ -2,7 +2,7 @@
 //! panic into an error reply, the reply path, the server clock, replication, and
 //! registration with key specs and docs.
 
-use std::ffi::{c_int, c_longlong, CStr, CString};
+use std::ffi::{c_int, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 
@@ -167,50 +167,6 @@ impl Ctx {
                 key,
                 args.as_ptr(),
                 args.len(),
-            );
-        }
-    }
-
-    /// Replicates `HSET key field value...`, at most four pairs.
-    pub fn replicate_hset(&self, key: RawString, fields: &[(RawString, RawString)]) {
-        let mut argv = [std::ptr::null_mut::<raw::RedisModuleString>(); 8];
-        for (i, (field, value)) in fields.iter().enumerate() {
-            argv[2 * i] = *field;
-            argv[2 * i + 1] = *value;
-        }
-        self.replicate(c"HSET", key, &argv[..2 * fields.len()]);
-    }
-
-    /// Replicates `PEXPIREAT key at_millis`.
-    pub fn replicate_pexpireat(&self, key: *mut raw::RedisModuleString, at_millis: i64) {
-        // SAFETY: format "sl": one string, one long long.
-        unsafe {
-            raw::RedisModule_Replicate.unwrap()(
-                self.0,
-                c"PEXPIREAT".as_ptr(),
-                c"sl".as_ptr(),
-                key,
-                at_millis as c_longlong,
-            );
-        }
-    }
-
-    /// Replicates `ZADD key score member`, the score a whole number.
-    pub fn replicate_zadd(
-        &self,
-        key: *mut raw::RedisModuleString,
-        score: i64,
-        member: *mut raw::RedisModuleString,
-    ) {
-        // SAFETY: format "sls": string, long long, string.
-        unsafe {
-            raw::RedisModule_Replicate.unwrap()(
-                self.0,
-                c"ZADD".as_ptr(),
-                c"sls".as_ptr(),
-                key,
-                score as c_longlong,
-                member,
             );
         }
     }

@@ -1,7 +1,9 @@
-//! Keys through the module's low-level key API: open once, read and write fields in
-//! place, close on drop. No call goes through another command.
+//! Keys through the module's low-level key API: open once, read and write in place,
+//! close on drop. No call goes through another command. Every write here is also the
+//! one place that replicates it (as the plain command with the same effect) and fires
+//! its keyspace notification, so no command can write without replicating.
 
-use std::ffi::c_int;
+use std::ffi::{c_int, CStr};
 use std::ptr;
 use std::sync::OnceLock;
 
@@ -11,6 +13,9 @@ use crate::command::{string_bytes, CommandError, Ctx};
 
 /// A server string, as the key API takes it.
 pub type RawString = *mut raw::RedisModuleString;
+
+/// The most fields one `set_fields` writes.
+const MAX_FIELDS: usize = 4;
 
 /// HashGet and HashSet flags: field names are server strings.
 const NONE: c_int = raw::REDISMODULE_HASH_NONE as c_int;
@@ -25,8 +30,10 @@ pub enum ValueType {
 }
 
 /// An open key, closed when dropped.
-pub struct Key {
+pub struct Key<'ctx> {
+    ctx: &'ctx Ctx,
     raw: *mut raw::RedisModuleKey,
+    name: RawString,
     /// Whether the key holds a value (of the expected type) rather than nothing.
     exists: bool,
 }
@@ -37,15 +44,15 @@ pub enum Access {
     ReadWrite,
 }
 
-impl Key {
+impl<'ctx> Key<'ctx> {
     /// Opens `name` for `access`; refuses with WRONGTYPE a key that holds anything but
     /// a value of type `expected`, before anything is written.
     pub fn open(
-        ctx: &Ctx,
-        name: *mut raw::RedisModuleString,
+        ctx: &'ctx Ctx,
+        name: RawString,
         access: Access,
         expected: ValueType,
-    ) -> Result<Key, CommandError> {
+    ) -> Result<Key<'ctx>, CommandError> {
         let mode = match access {
             Access::Read => raw::REDISMODULE_READ,
             Access::ReadWrite => raw::REDISMODULE_READ | raw::REDISMODULE_WRITE,
@@ -65,7 +72,9 @@ impl Key {
         };
         // Built before any early return, so that the key is closed on every path.
         let key = Key {
+            ctx,
             raw: raw_key,
+            name,
             exists: key_type == expected_type,
         };
         if key_type != raw::REDISMODULE_KEYTYPE_EMPTY && key_type != expected_type {
@@ -75,11 +84,7 @@ impl Key {
     }
 
     /// Reads `N` fields, two to a call; each is None when missing.
-    pub fn hash_get<const N: usize>(
-        &self,
-        ctx: &Ctx,
-        fields: [RawString; N],
-    ) -> [Option<OwnedString>; N] {
+    pub fn hash_get<const N: usize>(&self, fields: [RawString; N]) -> [Option<OwnedString>; N] {
         let mut values = [ptr::null_mut::<raw::RedisModuleString>(); N];
         if self.exists {
             for (names, outs) in fields.chunks(2).zip(values.chunks_mut(2)) {
@@ -97,15 +102,17 @@ impl Key {
                 }
             }
         }
-        values.map(|v| OwnedString::adopt(ctx, v))
+        values.map(|v| OwnedString::adopt(self.ctx, v))
     }
 
-    /// Writes `N` fields (name, value), two to a call, creating the hash if needed.
-    pub fn hash_set<const N: usize>(&mut self, fields: [(RawString, RawString); N]) {
+    /// Writes `N` fields (name, value), two to a call, creating the hash if needed;
+    /// replicated as one `HSET`.
+    pub fn set_fields<const N: usize>(&mut self, fields: [(RawString, RawString); N]) {
         // SAFETY: the API table is filled in at load and never changes.
         let set = unsafe { raw::RedisModule_HashSet.unwrap() };
         for pair in fields.chunks(2) {
-            // SAFETY: as for HashGet; the server copies names and values.
+            // SAFETY: field names each followed by a value, ended by NULL; the server
+            // copies both.
             unsafe {
                 match pair {
                     [(a, va), (b, vb)] => set(self.raw, NONE, *a, *va, *b, *vb, END),
@@ -115,24 +122,38 @@ impl Key {
             }
         }
         self.exists = true;
+        let mut argv = [ptr::null_mut(); 2 * MAX_FIELDS];
+        for (i, (field, value)) in fields.iter().take(MAX_FIELDS).enumerate() {
+            argv[2 * i] = *field;
+            argv[2 * i + 1] = *value;
+        }
+        self.replicate(c"HSET", &argv[..2 * N.min(MAX_FIELDS)]);
+        self.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset");
     }
 
-    /// Deletes `field`; whether it was there.
-    pub fn hash_delete(&mut self, field: RawString) -> bool {
-        if !self.exists {
-            return false;
+    /// Deletes those of `fields` the hash has; replicated as one `HDEL` of them.
+    pub fn delete_fields(&mut self, fields: &[RawString]) {
+        if !self.exists || fields.is_empty() {
+            return;
         }
         // HashSet deletes a field given this marker as its value.
         let delete = 1usize as RawString;
-        // SAFETY: as for hash_set.
-        let deleted =
-            unsafe { raw::RedisModule_HashSet.unwrap()(self.raw, NONE, field, delete, END) };
-        deleted > 0
+        let deleted: Vec<RawString> = fields
+            .iter()
+            .copied()
+            // SAFETY: as for set_fields.
+            .filter(|&field| unsafe { raw::RedisModule_HashSet.unwrap()(self.raw, NONE, field, delete, END) } > 0)
+            .collect();
+        if !deleted.is_empty() {
+            self.exists = self.len() > 0;
+            self.replicate(c"HDEL", &deleted);
+            self.notify(raw::REDISMODULE_NOTIFY_HASH, c"hdel");
+        }
     }
 
     /// The names of the hash's fields that `select` picks, copied out of the hash so
     /// that the caller may then delete them.
-    pub fn hash_fields_where(&self, ctx: &Ctx, select: &dyn Fn(&[u8]) -> bool) -> Vec<OwnedString> {
+    pub fn hash_fields_where(&self, select: &dyn Fn(&[u8]) -> bool) -> Vec<OwnedString> {
         struct Scan<'a> {
             ctx: &'a Ctx,
             select: &'a dyn Fn(&[u8]) -> bool,
@@ -159,7 +180,7 @@ impl Key {
             }
         }
         let mut scan = Scan {
-            ctx,
+            ctx: self.ctx,
             select,
             picked: Vec::new(),
         };
@@ -193,20 +214,31 @@ impl Key {
         (found == raw::REDISMODULE_OK as c_int).then_some(score)
     }
 
-    /// Adds `member` or updates its score.
-    pub fn zset_add(&mut self, member: *mut raw::RedisModuleString, score: f64) {
+    /// Adds `member` or updates its score, a whole number; replicated as `ZADD`.
+    pub fn zset_add(&mut self, member: RawString, score: i64) {
         // SAFETY: a key open for writing, empty or a sorted set.
-        unsafe { raw::RedisModule_ZsetAdd.unwrap()(self.raw, score, member, ptr::null_mut()) };
+        unsafe {
+            raw::RedisModule_ZsetAdd.unwrap()(self.raw, score as f64, member, ptr::null_mut())
+        };
         self.exists = true;
+        let score = OwnedString::from_integer(self.ctx, score);
+        self.replicate(c"ZADD", &[score.raw, member]);
+        self.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zadd");
     }
 
-    /// Removes `member`; the server deletes the key when it empties.
-    pub fn zset_remove(&mut self, member: *mut raw::RedisModuleString) {
-        if self.exists {
+    /// Removes `members`; replicated as one `ZREM`. The server deletes the key when it
+    /// empties.
+    pub fn zset_remove(&mut self, members: &[RawString]) {
+        if !self.exists || members.is_empty() {
+            return;
+        }
+        for &member in members {
             // SAFETY: as above.
             unsafe { raw::RedisModule_ZsetRem.unwrap()(self.raw, member, ptr::null_mut()) };
-            self.exists = self.len() > 0;
         }
+        self.exists = self.len() > 0;
+        self.replicate(c"ZREM", members);
+        self.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zrem");
     }
 
     /// The number of members (or fields, or elements) the key holds.
@@ -219,7 +251,7 @@ impl Key {
     }
 
     /// The members scored from `min` to `max` (both included), lowest first.
-    pub fn zset_range(&self, ctx: &Ctx, min: f64, max: f64) -> Vec<OwnedString> {
+    pub fn zset_range(&self, min: f64, max: f64) -> Vec<OwnedString> {
         let mut members = Vec::new();
         if !self.exists {
             return members;
@@ -234,7 +266,7 @@ impl Key {
             while raw::RedisModule_ZsetRangeEndReached.unwrap()(self.raw) == 0 {
                 let member =
                     raw::RedisModule_ZsetRangeCurrentElement.unwrap()(self.raw, ptr::null_mut());
-                members.extend(OwnedString::adopt(ctx, member));
+                members.extend(OwnedString::adopt(self.ctx, member));
                 if raw::RedisModule_ZsetRangeNext.unwrap()(self.raw) == 0 {
                     break;
                 }
@@ -269,14 +301,26 @@ impl Key {
         score
     }
 
-    /// Sets the key's absolute expiry in Unix milliseconds.
-    pub fn set_expire_at(&mut self, at_millis: i64) {
+    /// Sets the key's absolute expiry in Unix milliseconds; replicated as `PEXPIREAT`,
+    /// absolute, so a replica or a replayed AOF expires it at the same instant.
+    pub fn expire_at(&mut self, at_millis: i64) {
         // SAFETY: an open, existing key.
         unsafe { raw::RedisModule_SetAbsExpire.unwrap()(self.raw, at_millis) };
+        let at = OwnedString::from_integer(self.ctx, at_millis);
+        self.replicate(c"PEXPIREAT", &[at.raw]);
+        self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire");
+    }
+
+    fn replicate(&self, command: &CStr, args: &[RawString]) {
+        self.ctx.replicate(command, self.name, args);
+    }
+
+    fn notify(&self, class: c_int, event: &CStr) {
+        self.ctx.notify(class, event, self.name);
     }
 }
 
-impl Drop for Key {
+impl Drop for Key<'_> {
     fn drop(&mut self) {
         if !self.raw.is_null() {
             // SAFETY: opened by us, closed once.

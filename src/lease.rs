@@ -5,64 +5,50 @@
 use std::ffi::CStr;
 
 use qag_core::lease::{self, Acquire};
-use redis_module::raw;
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
-use crate::key::{Access, Key, OwnedString, ValueType};
+use crate::key::{Access, Key, OwnedString, RawString, ValueType};
 
 /// A key's slots, opened for one call at one instant.
-struct Slots {
-    key: Key,
-    name: *mut raw::RedisModuleString,
+struct Slots<'ctx> {
+    key: Key<'ctx>,
     now_millis: i64,
 }
 
-impl Slots {
-    fn open(ctx: &Ctx, args: &RawArgs, key: usize, access: Access) -> Result<Slots, CommandError> {
-        let name = args.string(key);
+impl<'ctx> Slots<'ctx> {
+    fn open(
+        ctx: &'ctx Ctx,
+        args: &RawArgs,
+        key: usize,
+        access: Access,
+    ) -> Result<Self, CommandError> {
         Ok(Slots {
-            key: Key::open(ctx, name, access, ValueType::SortedSet)?,
-            name,
+            key: Key::open(ctx, args.string(key), access, ValueType::SortedSet)?,
             now_millis: ctx.now_micros().div_euclid(1000),
         })
     }
 
     /// The leases whose expiry has passed.
-    fn expired(&self, ctx: &Ctx) -> Vec<OwnedString> {
+    fn expired(&self) -> Vec<OwnedString> {
         self.key
-            .zset_range(ctx, f64::NEG_INFINITY, self.now_millis as f64)
+            .zset_range(f64::NEG_INFINITY, self.now_millis as f64)
     }
 
-    fn holds_live_lease(&self, id: *mut raw::RedisModuleString) -> bool {
+    fn holds_live_lease(&self, id: RawString) -> bool {
         self.key
             .zset_score(id)
             .is_some_and(|expiry| lease::is_live(expiry, self.now_millis))
     }
 
-    /// Removes `members` and replicates the removal as one ZREM.
-    fn remove(&mut self, ctx: &Ctx, members: &[*mut raw::RedisModuleString]) {
-        if members.is_empty() {
-            return;
-        }
-        for &member in members {
-            self.key.zset_remove(member);
-        }
-        ctx.replicate(c"ZREM", self.name, members);
-        ctx.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zrem", self.name);
-    }
-
-    /// Gives `id` a lease until now + `ttl_millis`, replicated as ZADD.
-    fn put(&mut self, ctx: &Ctx, id: *mut raw::RedisModuleString, ttl_millis: i64) {
-        let expiry = self.now_millis + ttl_millis;
-        self.key.zset_add(id, expiry as f64);
-        ctx.replicate_zadd(self.name, expiry, id);
-        ctx.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zadd", self.name);
+    /// Gives `id` a lease until now + `ttl_millis`.
+    fn put(&mut self, id: RawString, ttl_millis: i64) {
+        self.key.zset_add(id, self.now_millis + ttl_millis);
     }
 
     /// Makes the key expire with its latest lease, so that an idle key vanishes; a key
     /// the removals emptied is gone already. Members written by others with a later
     /// score hold the key no longer than the longest lease qag gives.
-    fn expire_with_latest_lease(&mut self, ctx: &Ctx) {
+    fn expire_with_latest_lease(&mut self) {
         let Some(latest) = self.key.zset_max_score() else {
             return;
         };
@@ -72,13 +58,11 @@ impl Slots {
         } else {
             (latest.ceil() as i64).min(limit)
         };
-        self.key.set_expire_at(at);
-        ctx.replicate_pexpireat(self.name, at);
-        ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
+        self.key.expire_at(at);
     }
 }
 
-fn raw_strings(strings: &[OwnedString]) -> Vec<*mut raw::RedisModuleString> {
+fn raw_strings(strings: &[OwnedString]) -> Vec<RawString> {
     strings.iter().map(|s| s.raw).collect()
 }
 
@@ -99,15 +83,15 @@ impl Command for Lease {
         let call = lease::parse_lease(args)?;
         let mut slots = Slots::open(ctx, args, call.key, Access::ReadWrite)?;
         let id = args.string(call.id);
-        let expired = slots.expired(ctx);
+        let expired = slots.expired();
         let live = slots.key.len().saturating_sub(expired.len());
         let decision = lease::acquire(call.max, live as u64, slots.holds_live_lease(id));
         if decision == Acquire::Refuse {
             return Ok(Reply::Array([0, live as i64, 1].into()));
         }
-        slots.remove(ctx, &raw_strings(&expired));
-        slots.put(ctx, id, call.ttl_millis);
-        slots.expire_with_latest_lease(ctx);
+        slots.key.zset_remove(&raw_strings(&expired));
+        slots.put(id, call.ttl_millis);
+        slots.expire_with_latest_lease();
         let live_after = live + usize::from(decision == Acquire::Take);
         Ok(Reply::Array([1, live_after as i64, 0].into()))
     }
@@ -133,10 +117,10 @@ impl Command for Renew {
         if !slots.holds_live_lease(id) {
             return Ok(Reply::Integer(0));
         }
-        let expired = slots.expired(ctx);
-        slots.remove(ctx, &raw_strings(&expired));
-        slots.put(ctx, id, call.ttl_millis);
-        slots.expire_with_latest_lease(ctx);
+        let expired = slots.expired();
+        slots.key.zset_remove(&raw_strings(&expired));
+        slots.put(id, call.ttl_millis);
+        slots.expire_with_latest_lease();
         Ok(Reply::Integer(1))
     }
 }
@@ -163,13 +147,13 @@ impl Command for Release {
         };
         let live = lease::is_live(expiry, slots.now_millis);
         // The expired leases, the caller's among them if it ran out, go too.
-        let expired = slots.expired(ctx);
+        let expired = slots.expired();
         let mut members = raw_strings(&expired);
         if live {
             members.push(id);
         }
-        slots.remove(ctx, &members);
-        slots.expire_with_latest_lease(ctx);
+        slots.key.zset_remove(&members);
+        slots.expire_with_latest_lease();
         Ok(Reply::Integer(i64::from(live)))
     }
 }
@@ -189,7 +173,7 @@ impl Command for Leases {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let key = lease::parse_leases(args)?;
         let slots = Slots::open(ctx, args, key, Access::Read)?;
-        let live = slots.key.len().saturating_sub(slots.expired(ctx).len());
+        let live = slots.key.len().saturating_sub(slots.expired().len());
         Ok(Reply::Integer(live as i64))
     }
 }

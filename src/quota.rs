@@ -4,7 +4,6 @@
 use std::ffi::CStr;
 
 use qag_core::quota::{self, Period, QuotaArgs, Usage};
-use redis_module::raw;
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
@@ -21,32 +20,28 @@ pub fn init() {
 }
 
 /// A quota key opened for one call, with the period the call falls in.
-struct Quota {
-    key: Key,
-    name: *mut raw::RedisModuleString,
+struct Quota<'ctx> {
+    key: Key<'ctx>,
     period: Period,
 }
 
-impl Quota {
+impl<'ctx> Quota<'ctx> {
     fn open(
-        ctx: &Ctx,
+        ctx: &'ctx Ctx,
         args: &RawArgs,
         call: &QuotaArgs,
         access: Access,
-    ) -> Result<Quota, CommandError> {
-        let name = args.string(call.key);
-        let key = Key::open(ctx, name, access, ValueType::Hash)?;
+    ) -> Result<Self, CommandError> {
+        let key = Key::open(ctx, args.string(call.key), access, ValueType::Hash)?;
         let period = quota::period(call.per, &call.zone, ctx.now_micros()).ok_or(
             CommandError::Refused("ERR the server clock is outside the calendar's range"),
         )?;
-        Ok(Quota { key, name, period })
+        Ok(Quota { key, period })
     }
 
     /// The usage stored for the current period; zero when the hash holds an older one.
-    fn usage(&self, ctx: &Ctx) -> Usage {
-        let [period, calls, rows] = self
-            .key
-            .hash_get(ctx, [PERIOD.raw(), CALLS.raw(), ROWS.raw()]);
+    fn usage(&self) -> Usage {
+        let [period, calls, rows] = self.key.hash_get([PERIOD.raw(), CALLS.raw(), ROWS.raw()]);
         quota::usage(
             period.as_ref().map(OwnedString::bytes),
             calls.as_ref().map(OwnedString::bytes),
@@ -55,29 +50,17 @@ impl Quota {
         )
     }
 
-    /// Writes the period's usage and expiry, replicated as HSET and PEXPIREAT.
+    /// Writes the period's usage and the key's expiry, a day after the period ends.
     fn write(&mut self, ctx: &Ctx, usage: Usage) -> Reply {
         let label = OwnedString::new(ctx, self.period.label.as_bytes());
         let calls = OwnedString::from_integer(ctx, usage.calls);
         let rows = OwnedString::from_integer(ctx, usage.rows);
-        self.key.hash_set([
+        self.key.set_fields([
             (PERIOD.raw(), label.raw),
             (CALLS.raw(), calls.raw),
             (ROWS.raw(), rows.raw),
         ]);
-        let expire_at = self.period.expire_at_millis();
-        self.key.set_expire_at(expire_at);
-        ctx.replicate_hset(
-            self.name,
-            &[
-                (PERIOD.raw(), label.raw),
-                (CALLS.raw(), calls.raw),
-                (ROWS.raw(), rows.raw),
-            ],
-        );
-        ctx.replicate_pexpireat(self.name, expire_at);
-        ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset", self.name);
-        ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
+        self.key.expire_at(self.period.expire_at_millis());
         Reply::Array([usage.calls, usage.rows, self.period.end].into())
     }
 }
@@ -98,7 +81,7 @@ impl Command for Check {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
         let quota = Quota::open(ctx, args, &call, Access::Read)?;
-        let check = quota::check(quota.usage(ctx), call.limits());
+        let check = quota::check(quota.usage(), call.limits());
         Ok(Reply::Array(Row::new(&[
             Some(i64::from(check.allowed)),
             check.calls_remaining,
@@ -124,7 +107,7 @@ impl Command for Add {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
         let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
-        let usage = quota::add(quota.usage(ctx), call.counts()).ok_or(CommandError::Refused(
+        let usage = quota::add(quota.usage(), call.counts()).ok_or(CommandError::Refused(
             "ERR the count would overflow; nothing was added",
         ))?;
         Ok(quota.write(ctx, usage))
@@ -147,7 +130,7 @@ impl Command for Seed {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
         let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
-        let usage = quota::seed(quota.usage(ctx), call.counts());
+        let usage = quota::seed(quota.usage(), call.counts());
         Ok(quota.write(ctx, usage))
     }
 }

@@ -5,7 +5,6 @@
 use std::ffi::CStr;
 
 use qag_core::window::{self, Clock, Counters, FieldName, Kind};
-use redis_module::raw;
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, OwnedString, RawString, ValueType};
@@ -32,72 +31,41 @@ impl Fields {
     }
 }
 
-/// One scope's hash, opened for a call.
-struct Scope {
-    key: Key,
-    name: RawString,
+/// Opens every key of the chain for writing, checking all their types before any is
+/// written.
+fn open_all<'ctx>(
+    ctx: &'ctx Ctx,
+    args: &RawArgs,
+    keys: impl Iterator<Item = usize>,
+) -> Result<Vec<Key<'ctx>>, CommandError> {
+    keys.map(|index| Key::open(ctx, args.string(index), Access::ReadWrite, ValueType::Hash))
+        .collect()
 }
 
-impl Scope {
-    /// Opens every key of the chain for writing, checking all their types before any
-    /// is written.
-    fn open_all(
-        ctx: &Ctx,
-        args: &RawArgs,
-        keys: impl Iterator<Item = usize>,
-    ) -> Result<Vec<Scope>, CommandError> {
-        keys.map(|index| {
-            let name = args.string(index);
-            Ok(Scope {
-                key: Key::open(ctx, name, Access::ReadWrite, ValueType::Hash)?,
-                name,
-            })
-        })
-        .collect()
+fn counters(key: &Key, fields: &Fields) -> Counters {
+    let [requests, previous_requests, tokens, previous_tokens] = key.hash_get([
+        fields.requests.raw,
+        fields.previous_requests.raw,
+        fields.tokens.raw,
+        fields.previous_tokens.raw,
+    ]);
+    let value = |s: &Option<OwnedString>| window::counter(s.as_ref().map(OwnedString::bytes));
+    Counters {
+        requests: value(&requests),
+        previous_requests: value(&previous_requests),
+        tokens: value(&tokens),
+        previous_tokens: value(&previous_tokens),
     }
+}
 
-    fn counters(&self, ctx: &Ctx, fields: &Fields) -> Counters {
-        let [requests, previous_requests, tokens, previous_tokens] = self.key.hash_get(
-            ctx,
-            [
-                fields.requests.raw,
-                fields.previous_requests.raw,
-                fields.tokens.raw,
-                fields.previous_tokens.raw,
-            ],
-        );
-        let value = |s: &Option<OwnedString>| window::counter(s.as_ref().map(OwnedString::bytes));
-        Counters {
-            requests: value(&requests),
-            previous_requests: value(&previous_requests),
-            tokens: value(&tokens),
-            previous_tokens: value(&previous_tokens),
-        }
-    }
-
-    /// Sets one counter, removes the windows that no longer count and moves the expiry
-    /// two windows on; replicated as HSET, HDEL and PEXPIREAT.
-    fn write(&mut self, ctx: &Ctx, field: RawString, value: i64, clock: &Clock) {
-        let value = OwnedString::from_integer(ctx, value);
-        self.key.hash_set([(field, value.raw)]);
-        ctx.replicate_hset(self.name, &[(field, value.raw)]);
-        ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset", self.name);
-        let stale = self
-            .key
-            .hash_fields_where(ctx, &|name| window::is_stale(name, clock));
-        if !stale.is_empty() {
-            let names: Vec<RawString> = stale.iter().map(|s| s.raw).collect();
-            for &name in &names {
-                self.key.hash_delete(name);
-            }
-            ctx.replicate(c"HDEL", self.name, &names);
-            ctx.notify(raw::REDISMODULE_NOTIFY_HASH, c"hdel", self.name);
-        }
-        let expire_at = clock.expire_at_millis();
-        self.key.set_expire_at(expire_at);
-        ctx.replicate_pexpireat(self.name, expire_at);
-        ctx.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire", self.name);
-    }
+/// Sets one counter of a scope, removes its windows that no longer count and moves its
+/// expiry two windows on.
+fn write(ctx: &Ctx, key: &mut Key, field: RawString, value: i64, clock: &Clock) {
+    let value = OwnedString::from_integer(ctx, value);
+    key.set_fields([(field, value.raw)]);
+    let stale = key.hash_fields_where(&|name| window::is_stale(name, clock));
+    key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
+    key.expire_at(clock.expire_at_millis());
 }
 
 /// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds]
@@ -115,18 +83,18 @@ impl Command for Admit {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_admit(args)?;
         let clock = Clock::new(call.window_seconds, ctx.now_micros());
-        let mut scopes = Scope::open_all(ctx, args, call.scopes.iter().map(|(key, _)| *key))?;
+        let mut keys = open_all(ctx, args, call.scopes.iter().map(|(key, _)| *key))?;
         let fields = Fields::new(ctx, &clock);
-        let state: Vec<_> = scopes
+        let state: Vec<_> = keys
             .iter()
             .zip(&call.scopes)
-            .map(|(scope, (_, limits))| (*limits, scope.counters(ctx, &fields)))
+            .map(|(key, (_, limits))| (*limits, counters(key, &fields)))
             .collect();
         let admission = window::admit(&state, &clock);
         if admission.admitted {
-            for (scope, (_, counters)) in scopes.iter_mut().zip(&state) {
+            for (key, (_, counters)) in keys.iter_mut().zip(&state) {
                 let requests = counters.requests.saturating_add(1);
-                scope.write(ctx, fields.requests.raw, requests, &clock);
+                write(ctx, key, fields.requests.raw, requests, &clock);
             }
         }
         Ok(Reply::Array(admission.as_reply().into()))
@@ -149,19 +117,19 @@ impl Command for Record {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_record(args)?;
         let clock = Clock::new(call.window_seconds, ctx.now_micros());
-        let mut scopes = Scope::open_all(ctx, args, call.keys.iter().copied())?;
+        let mut keys = open_all(ctx, args, call.keys.iter().copied())?;
         let fields = Fields::new(ctx, &clock);
         // Every new count is computed, and checked, before any is written.
-        let totals = scopes
+        let totals = keys
             .iter()
-            .map(|scope| scope.counters(ctx, &fields).tokens.checked_add(call.tokens))
+            .map(|key| counters(key, &fields).tokens.checked_add(call.tokens))
             .collect::<Option<Vec<i64>>>()
             .ok_or(CommandError::Refused(
                 "ERR the token count would overflow; nothing was charged",
             ))?;
-        for (scope, total) in scopes.iter_mut().zip(totals) {
-            scope.write(ctx, fields.tokens.raw, total, &clock);
+        for (key, total) in keys.iter_mut().zip(totals) {
+            write(ctx, key, fields.tokens.raw, total, &clock);
         }
-        Ok(Reply::Integer(scopes.len() as i64))
+        Ok(Reply::Integer(keys.len() as i64))
     }
 }
