@@ -7,39 +7,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn all_keys(con: &mut Connection) -> Vec<String> {
-    let mut keys: Vec<String> = cmd("KEYS").arg("*").query(con).unwrap();
-    keys.sort();
-    keys
-}
-
-/// A key's name, sorted fields and absolute expiry in milliseconds.
-type KeyState = (String, Vec<(String, String)>, i64);
-
-/// Every key's content (a hash's fields, a sorted set's members and scores) and expiry.
-fn state(con: &mut Connection) -> Vec<KeyState> {
-    all_keys(con)
-        .into_iter()
-        .map(|k| {
-            let kind: String = cmd("TYPE").arg(&k).query(con).unwrap();
-            let mut fields: Vec<(String, String)> = match kind.as_str() {
-                "hash" => cmd("HGETALL").arg(&k).query(con).unwrap(),
-                "zset" => cmd("ZRANGE")
-                    .arg(&k)
-                    .arg(0)
-                    .arg(-1)
-                    .arg("WITHSCORES")
-                    .query(con)
-                    .unwrap(),
-                other => panic!("{k} is a {other}"),
-            };
-            fields.sort();
-            let expire: i64 = cmd("PEXPIRETIME").arg(&k).query(con).unwrap();
-            (k, fields, expire)
-        })
-        .collect()
-}
-
 #[test]
 fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     if external("replication") {
@@ -179,8 +146,8 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     }
     let acked: i64 = cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
     assert_eq!(acked, 1, "the replica acknowledged the stream");
-    let on_primary = state(&mut p);
-    let on_replica = state(&mut r);
+    let on_primary = dataset(&mut p);
+    let on_replica = dataset(&mut r);
     assert_eq!(on_primary.len(), 11);
     assert!(on_primary
         .iter()

@@ -29,6 +29,7 @@ pub struct Server {
     child: Child,
     pub port: u16,
     dir: PathBuf,
+    keep_dir: bool,
 }
 
 /// What a test talks to: its own server, or the external one.
@@ -63,6 +64,9 @@ pub struct ServerOptions {
     pub replica_of: Option<u16>,
     /// Arguments to the module, after its path in --loadmodule.
     pub module_args: Vec<String>,
+    /// A data directory that outlives the server (for restarts); else a fresh one,
+    /// removed with the server.
+    pub dir: Option<PathBuf>,
     pub extra: Vec<String>,
 }
 
@@ -76,7 +80,9 @@ impl Server {
         );
         for _attempt in 0..5 {
             let port = free_port();
-            let dir = std::env::temp_dir().join(format!("qag-test-{}-{port}", std::process::id()));
+            let dir = options.dir.clone().unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("qag-test-{}-{port}", std::process::id()))
+            });
             std::fs::create_dir_all(&dir).expect("create the server's directory");
             let mut args: Vec<String> = vec![
                 "--port".into(),
@@ -111,7 +117,12 @@ impl Server {
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap_or_else(|e| panic!("start {}: {e}", server_binary()));
-            let mut server = Server { child, port, dir };
+            let mut server = Server {
+                child,
+                port,
+                dir,
+                keep_dir: options.dir.is_some(),
+            };
             if server.wait_ready() {
                 return server;
             }
@@ -144,6 +155,21 @@ impl Server {
         std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
     }
 
+    /// Stops the server the way an operator would (SHUTDOWN, which persists what its
+    /// configuration says) and waits for it to exit.
+    pub fn shutdown(mut self) {
+        let mut con = self.client().get_connection().expect("connect");
+        let _ = cmd("SHUTDOWN").query::<Value>(&mut con);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("the server did not shut down:\n{}", self.log());
+    }
+
     /// Whether the process is still running (it did not crash).
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -154,7 +180,9 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if !self.keep_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
@@ -216,6 +244,34 @@ pub fn external(test: &str) -> bool {
     external
 }
 
+/// Every key's content (a hash's fields, a sorted set's members and scores, sorted)
+/// and absolute expiry: what persistence and replication must keep exactly.
+pub type KeyState = (String, Vec<(String, String)>, i64);
+
+pub fn dataset(con: &mut Connection) -> Vec<KeyState> {
+    let mut keys: Vec<String> = cmd("KEYS").arg("*").query(con).unwrap();
+    keys.sort();
+    keys.into_iter()
+        .map(|k| {
+            let kind: String = cmd("TYPE").arg(&k).query(con).unwrap();
+            let mut fields: Vec<(String, String)> = match kind.as_str() {
+                "hash" => cmd("HGETALL").arg(&k).query(con).unwrap(),
+                "zset" => cmd("ZRANGE")
+                    .arg(&k)
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
+                    .query(con)
+                    .unwrap(),
+                other => panic!("{k} is a {other}"),
+            };
+            fields.sort();
+            let expire: i64 = cmd("PEXPIRETIME").arg(&k).query(con).unwrap();
+            (k, fields, expire)
+        })
+        .collect()
+}
+
 /// A bucket's stored fields, parsed as the script parses them.
 pub fn bucket_fields(con: &mut Connection, key: &str) -> Option<(f64, f64)> {
     let fields: Vec<Option<String>> = cmd("HMGET")
@@ -264,4 +320,81 @@ pub fn expected_take(
     };
     let new_ts = if now > ts { now } else { ts };
     ([allowed, tokens.floor() as i64, retry], (tokens, new_ts))
+}
+
+/// One round of every writing command, on keys under the hash tag `{t}`, with limits
+/// and lifetimes of `lifetime` seconds: a workload whose every effect persistence and
+/// replication must keep.
+pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
+    let bucket = format!("qag:rl:{{t}}:{}", round % 4);
+    let lifetime_ms = lifetime * 1000;
+    let calls: Vec<redis::Cmd> = vec![
+        cmd("QAG.TAKE").arg(&bucket).arg(3).arg(lifetime).clone(),
+        cmd("QAG.TAKE")
+            .arg(&bucket)
+            .arg(3)
+            .arg(lifetime)
+            .arg("COST")
+            .arg(2)
+            .clone(),
+        cmd("QAG.TAKE2")
+            .arg("qag:rl:{t}:ip")
+            .arg(20)
+            .arg(lifetime)
+            .arg(&bucket)
+            .arg(3)
+            .arg(lifetime)
+            .clone(),
+        cmd("QAG.LEASE")
+            .arg("qag:running:{t}")
+            .arg(3)
+            .arg(lifetime_ms)
+            .arg(format!("req{round}"))
+            .clone(),
+        cmd("QAG.RENEW")
+            .arg("qag:running:{t}")
+            .arg(format!("req{}", round.saturating_sub(1)))
+            .arg(lifetime_ms)
+            .clone(),
+        cmd("QAG.RELEASE")
+            .arg("qag:running:{t}")
+            .arg(format!("req{}", round.saturating_sub(2)))
+            .clone(),
+        cmd(if round % 7 == 3 {
+            "QAG.QUOTA.SEED"
+        } else {
+            "QAG.QUOTA.ADD"
+        })
+        .arg("qag:quota:{t}")
+        .arg(&["PER", "day", "TZ", "America/New_York", "CALLS"])
+        .arg(round)
+        .arg("ROWS")
+        .arg(10 * round)
+        .clone(),
+        cmd("QAG.ADMIT")
+            .arg(2)
+            .arg(&[
+                "qag:win:{t}:org",
+                "40",
+                "5000",
+                "qag:win:{t}:key",
+                "3",
+                "0",
+                "WINDOW",
+            ])
+            .arg(lifetime)
+            .clone(),
+        cmd("QAG.RECORD")
+            .arg(2)
+            .arg(&["qag:win:{t}:org", "qag:win:{t}:key"])
+            .arg(100 + round)
+            .arg("WINDOW")
+            .arg(lifetime)
+            .clone(),
+    ];
+    for (i, call) in calls.iter().enumerate() {
+        let _: Value = call
+            .query(con)
+            .unwrap_or_else(|e| panic!("round {round}, call {i}: {e}"));
+    }
 }
