@@ -78,9 +78,20 @@ pub enum KeyLayout {
     /// Keys at arguments 1 and 4 (TAKE2's client and key buckets).
     FirstAndFourth,
     /// As many keys as argument 1 says, from argument 2 on, one every `step` arguments.
-    /// The server's key specs cannot step over the arguments between the keys, so the
-    /// module answers key lookups itself (flag `getkeys-api`).
     Counted { step: usize },
+}
+
+impl KeyLayout {
+    /// Whether the module answers the server's key lookups itself (flag
+    /// `getkeys-api`). Every layout but one key needs it: from key specs that are not
+    /// one contiguous range the server keeps only the first key as the command's
+    /// legacy key range, and cluster routing reads that range: without the module's
+    /// answer, TAKE2 on keys of two slots would not get CROSSSLOT, and RECORD would not
+    /// even be redirected. A counted layout with a step needs it for key specs too:
+    /// servers read a key count as a count of arguments.
+    fn declared_by_module(&self) -> bool {
+        !matches!(self, KeyLayout::Single)
+    }
 }
 
 /// A qag command.
@@ -216,8 +227,13 @@ impl Ctx {
 
     /// Answers the server's question of where the keys are (getkeys-api), without
     /// running the command.
-    fn declare_keys(&self, args: &RawArgs, step: usize) {
-        for position in counted_key_positions(args, step, MAX_COUNTED_KEYS) {
+    fn declare_keys(&self, args: &RawArgs, layout: &KeyLayout) {
+        let positions = match *layout {
+            KeyLayout::Single => vec![1],
+            KeyLayout::FirstAndFourth => vec![1, 4],
+            KeyLayout::Counted { step } => counted_key_positions(args, step, MAX_COUNTED_KEYS),
+        };
+        for position in positions.into_iter().filter(|&p| p < args.len()) {
             // SAFETY: a position within the call's arguments.
             unsafe { raw::RedisModule_KeyAtPos.unwrap()(self.0, position as c_int) };
         }
@@ -243,12 +259,12 @@ pub extern "C" fn invoke<C: Command>(
         argv,
         argc: usize::try_from(argc).unwrap_or(0),
     };
-    if let KeyLayout::Counted { step } = C::KEYS {
-        // SAFETY: the API table is filled in at load and never changes.
-        if unsafe { raw::RedisModule_IsKeysPositionRequest.unwrap()(ctx.0) } != 0 {
-            ctx.declare_keys(&args, step);
-            return raw::REDISMODULE_OK as c_int;
-        }
+    // SAFETY: the API table is filled in at load and never changes.
+    if C::KEYS.declared_by_module()
+        && unsafe { raw::RedisModule_IsKeysPositionRequest.unwrap()(ctx.0) } != 0
+    {
+        ctx.declare_keys(&args, &C::KEYS);
+        return raw::REDISMODULE_OK as c_int;
     }
     match catch_unwind(AssertUnwindSafe(|| C::run(&ctx, &args))) {
         Ok(Ok(reply)) => ctx.reply(reply),
@@ -294,19 +310,24 @@ pub fn register<C: Command>(
     features: &mut Features,
 ) -> Result<(), String> {
     let name = C::NAME.to_string_lossy();
-    // A counted layout has no fixed range: its key spec below declares the keys.
+    // A counted layout has no fixed range: the command answers key lookups itself.
     let (first, last, step) = match C::KEYS {
         KeyLayout::Single => (1, 1, 1),
         KeyLayout::FirstAndFourth => (1, 4, 3),
         KeyLayout::Counted { .. } => (0, 0, 0),
     };
+    let flags = match C::KEYS.declared_by_module() {
+        true => CString::new(format!("{} getkeys-api", C::FLAGS.to_string_lossy())),
+        false => Ok(C::FLAGS.to_owned()),
+    }
+    .map_err(|e| format!("flags of {name}: {e}"))?;
     // SAFETY: called from OnLoad with the load context.
     let created = unsafe {
         raw::RedisModule_CreateCommand.unwrap()(
             ctx,
             C::NAME.as_ptr(),
             Some(invoke::<C>),
-            C::FLAGS.as_ptr(),
+            flags.as_ptr(),
             first,
             last,
             step,
@@ -355,7 +376,6 @@ pub fn register<C: Command>(
             (1, FindKeys::new_range(0, 1, 0)),
             (4, FindKeys::new_range(0, 1, 0)),
         ],
-        // The count at argument 1, the first key right after it.
         // The count at argument 1, the first key right after it. Servers read a count
         // as a number of arguments, not of keys, so with a step the spec finds only
         // some keys: marked incomplete, it sends lookups to the command itself.

@@ -73,7 +73,7 @@ pub struct Admit;
 
 impl Command for Admit {
     const NAME: &'static CStr = c"qag.admit";
-    const FLAGS: &'static CStr = c"write deny-oom fast getkeys-api";
+    const FLAGS: &'static CStr = c"write deny-oom fast";
     const ARITY: i32 = -5;
     const KEYS: KeyLayout = KeyLayout::Counted { step: 3 };
     const WRITES: bool = true;
