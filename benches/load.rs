@@ -197,7 +197,10 @@ const CALLS_ONE_CALLER: u64 = 3_000;
 const MANY_KEYS: u64 = 100_000;
 
 /// Runs `calls` calls over `CONNECTIONS` connections, `depth` calls to a round trip;
-/// returns calls per second.
+/// returns calls per second. One client thread drives every connection in turn (send
+/// a batch on each, then read each), as redis-benchmark does: on a two-core machine a
+/// thread per connection would compete with the server for the cores and inflate the
+/// server time it measures.
 fn throughput(
     client: &redis::Client,
     case: &Case,
@@ -206,29 +209,38 @@ fn throughput(
     calls: u64,
     depth: usize,
 ) -> f64 {
-    let per_connection = calls / CONNECTIONS as u64;
+    let mut connections: Vec<Connection> = (0..CONNECTIONS)
+        .map(|_| client.get_connection().expect("connect"))
+        .collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(keys);
+    let batches = calls.div_ceil((CONNECTIONS * depth) as u64);
+    let mut sent = 0u64;
     let started = Instant::now();
-    std::thread::scope(|s| {
-        for c in 0..CONNECTIONS {
-            s.spawn(move || {
-                let mut con = client.get_connection().expect("connect");
-                let mut rng = rand::rngs::StdRng::seed_from_u64(c as u64);
-                let mut i = 0;
-                while i < per_connection {
-                    let mut pipe = redis::pipe();
-                    for _ in 0..depth.min((per_connection - i) as usize) {
-                        let k = if keys == 1 { 0 } else { rng.gen_range(0..keys) };
-                        for command in (case.make)(k, c as u64 * per_connection + i, sha) {
-                            pipe.add_command(command);
-                        }
-                        i += 1;
-                    }
-                    let _: Vec<redis::Value> = pipe.query(&mut con).expect("benchmark call");
+    for _ in 0..batches {
+        let mut pending = Vec::with_capacity(CONNECTIONS);
+        for con in connections.iter_mut() {
+            let mut pipe = redis::pipe();
+            let mut commands = 0;
+            for _ in 0..depth {
+                let k = if keys == 1 { 0 } else { rng.gen_range(0..keys) };
+                for command in (case.make)(k, sent, sha) {
+                    pipe.add_command(command);
+                    commands += 1;
                 }
-            });
+                sent += 1;
+            }
+            con.send_packed_command(&pipe.get_packed_pipeline())
+                .expect("send");
+            pending.push(commands);
         }
-    });
-    (per_connection * CONNECTIONS as u64) as f64 / started.elapsed().as_secs_f64()
+        for (con, commands) in connections.iter_mut().zip(pending) {
+            for _ in 0..commands {
+                let reply = con.recv_response().expect("benchmark reply");
+                assert!(!matches!(reply, redis::Value::ServerError(_)), "{reply:?}");
+            }
+        }
+    }
+    sent as f64 / started.elapsed().as_secs_f64()
 }
 
 /// The median latency of one caller's call, each command its own round trip.
@@ -248,25 +260,23 @@ fn one_caller_p50(con: &mut Connection, case: &Case, sha: &str, keys: u64) -> Du
     latencies[latencies.len() / 2]
 }
 
-/// Server CPU per call of `case`, from INFO commandstats since the last CONFIG RESETSTAT.
-fn server_micros_per_call(con: &mut Connection, case: &Case, calls: u64) -> f64 {
+/// Server CPU per call of `case`, from INFO commandstats since the last CONFIG RESETSTAT:
+/// the time of its commands over the calls of its first command.
+fn server_micros_per_call(con: &mut Connection, case: &Case) -> f64 {
     let stats: String = cmd("INFO").arg("commandstats").query(con).expect("INFO");
-    let micros: f64 = case
-        .commands
-        .iter()
-        .filter_map(|name| {
-            let line = stats
-                .lines()
-                .find(|l| l.starts_with(&format!("cmdstat_{name}:")))?;
-            let fields = line.split_once(':')?.1;
-            fields
-                .split(',')
-                .find_map(|f| f.strip_prefix("usec="))?
-                .parse::<f64>()
-                .ok()
-        })
-        .sum();
-    micros / calls as f64
+    let field = |name: &str, key: &str| -> f64 {
+        stats
+            .lines()
+            .find(|l| l.starts_with(&format!("cmdstat_{name}:")))
+            .and_then(|line| line.split_once(':'))
+            .and_then(|(_, fields)| fields.split(',').find_map(|f| f.strip_prefix(key)))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let micros: f64 = case.commands.iter().map(|name| field(name, "usec=")).sum();
+    // A pair of two calls of one command (TAKE × 2) makes two of its calls per call.
+    let per_call = (case.make)(0, 0, "").len() as f64 / case.commands.len() as f64;
+    micros / (field(case.commands[0], "calls=") / per_call)
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -302,7 +312,7 @@ fn measure(server: &Server, case: &Case, sha: &str, keys: u64, runs: usize) -> R
             CALLS_PIPELINED,
             PIPELINE,
         ));
-        micros.push(server_micros_per_call(&mut con, case, CALLS_PIPELINED));
+        micros.push(server_micros_per_call(&mut con, case));
         p1.push(throughput(&client, case, sha, keys, CALLS_UNPIPELINED, 1));
         p50.push(one_caller_p50(&mut con, case, sha, keys).as_secs_f64());
     }
