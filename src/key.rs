@@ -108,6 +108,12 @@ impl<'ctx> Key<'ctx> {
     /// Writes `N` fields (name, value), two to a call, creating the hash if needed;
     /// replicated as one `HSET`.
     pub fn set_fields<const N: usize>(&mut self, fields: [(RawString, RawString); N]) {
+        const {
+            assert!(
+                N <= MAX_FIELDS,
+                "set_fields replicates at most MAX_FIELDS fields"
+            )
+        };
         // SAFETY: the API table is filled in at load and never changes.
         let set = unsafe { raw::RedisModule_HashSet.unwrap() };
         for pair in fields.chunks(2) {
@@ -123,11 +129,11 @@ impl<'ctx> Key<'ctx> {
         }
         self.exists = true;
         let mut argv = [ptr::null_mut(); 2 * MAX_FIELDS];
-        for (i, (field, value)) in fields.iter().take(MAX_FIELDS).enumerate() {
+        for (i, (field, value)) in fields.iter().enumerate() {
             argv[2 * i] = *field;
             argv[2 * i + 1] = *value;
         }
-        self.replicate(c"HSET", &argv[..2 * N.min(MAX_FIELDS)]);
+        self.replicate(c"HSET", &argv[..2 * N]);
         self.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset");
     }
 

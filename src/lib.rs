@@ -13,7 +13,95 @@ use redis_module::{redis_module, Context, RedisString, Status};
 
 use command::{register, Features};
 
+/// The server API entries the commands call without checking (the optional ones,
+/// clock, key specs and ACL categories, are checked where used). A server without one
+/// of them refuses the module at load, so no command can meet a missing entry.
+fn missing_api() -> Option<&'static str> {
+    use redis_module::raw::*;
+    // SAFETY: reading the API table filled in at load.
+    let present = unsafe {
+        [
+            ("CloseKey", { RedisModule_CloseKey }.is_some()),
+            ("CreateCommand", { RedisModule_CreateCommand }.is_some()),
+            ("CreateString", { RedisModule_CreateString }.is_some()),
+            (
+                "CreateStringFromLongLong",
+                { RedisModule_CreateStringFromLongLong }.is_some(),
+            ),
+            (
+                "CreateStringFromString",
+                { RedisModule_CreateStringFromString }.is_some(),
+            ),
+            ("FreeString", { RedisModule_FreeString }.is_some()),
+            ("HashGet", { RedisModule_HashGet }.is_some()),
+            ("HashSet", { RedisModule_HashSet }.is_some()),
+            (
+                "IsKeysPositionRequest",
+                { RedisModule_IsKeysPositionRequest }.is_some(),
+            ),
+            ("KeyAtPos", { RedisModule_KeyAtPos }.is_some()),
+            ("KeyType", { RedisModule_KeyType }.is_some()),
+            (
+                "NotifyKeyspaceEvent",
+                { RedisModule_NotifyKeyspaceEvent }.is_some(),
+            ),
+            ("OpenKey", { RedisModule_OpenKey }.is_some()),
+            ("Replicate", { RedisModule_Replicate }.is_some()),
+            ("ReplyWithArray", { RedisModule_ReplyWithArray }.is_some()),
+            ("ReplyWithError", { RedisModule_ReplyWithError }.is_some()),
+            (
+                "ReplyWithLongLong",
+                { RedisModule_ReplyWithLongLong }.is_some(),
+            ),
+            ("ReplyWithNull", { RedisModule_ReplyWithNull }.is_some()),
+            (
+                "ScanCursorCreate",
+                { RedisModule_ScanCursorCreate }.is_some(),
+            ),
+            (
+                "ScanCursorDestroy",
+                { RedisModule_ScanCursorDestroy }.is_some(),
+            ),
+            ("ScanKey", { RedisModule_ScanKey }.is_some()),
+            ("SetAbsExpire", { RedisModule_SetAbsExpire }.is_some()),
+            ("StringPtrLen", { RedisModule_StringPtrLen }.is_some()),
+            ("ValueLength", { RedisModule_ValueLength }.is_some()),
+            ("ZsetAdd", { RedisModule_ZsetAdd }.is_some()),
+            (
+                "ZsetFirstInScoreRange",
+                { RedisModule_ZsetFirstInScoreRange }.is_some(),
+            ),
+            (
+                "ZsetLastInScoreRange",
+                { RedisModule_ZsetLastInScoreRange }.is_some(),
+            ),
+            (
+                "ZsetRangeCurrentElement",
+                { RedisModule_ZsetRangeCurrentElement }.is_some(),
+            ),
+            (
+                "ZsetRangeEndReached",
+                { RedisModule_ZsetRangeEndReached }.is_some(),
+            ),
+            ("ZsetRangeNext", { RedisModule_ZsetRangeNext }.is_some()),
+            ("ZsetRangeStop", { RedisModule_ZsetRangeStop }.is_some()),
+            ("ZsetRem", { RedisModule_ZsetRem }.is_some()),
+            ("ZsetScore", { RedisModule_ZsetScore }.is_some()),
+        ]
+    };
+    present
+        .iter()
+        .find(|(_, there)| !there)
+        .map(|(name, _)| *name)
+}
+
 fn init(ctx: &Context, args: &[RedisString]) -> Status {
+    if let Some(name) = missing_api() {
+        ctx.log_warning(&format!(
+            "qag: this server lacks RedisModule_{name}; qag needs Redis 7.0 or later, or Valkey"
+        ));
+        return Status::Err;
+    }
     bucket::init();
     quota::init();
     let test_commands = args
