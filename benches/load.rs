@@ -279,6 +279,24 @@ fn server_micros_per_call(con: &mut Connection, case: &Case) -> f64 {
     micros / (field(case.commands[0], "calls=") / per_call)
 }
 
+/// Pins this process to `cpu`; false where that is not possible (one core, no taskset).
+fn pin_to_cpu(cpu: usize) -> bool {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let taskset = std::process::Command::new("taskset")
+        .arg("--version")
+        .output()
+        .is_ok();
+    if cores <= cpu || !taskset {
+        return false;
+    }
+    // SAFETY: a zeroed cpu_set_t with one bit set, for this process (pid 0).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -353,7 +371,16 @@ fn main() {
         .unwrap_or(3)
         .max(1);
     let cell = std::env::var("QAG_BENCH_CELL_MODULE").ok();
-    let mut options = ServerOptions::default();
+    // The server on the first core, this client on the second: otherwise they take
+    // turns on both, and the server's time per call counts the client's turns too.
+    let pinned = pin_to_cpu(1);
+    let mut options = ServerOptions {
+        wrapper: match pinned {
+            true => vec!["taskset".into(), "-c".into(), "0".into()],
+            false => vec![],
+        },
+        ..Default::default()
+    };
     if let Some(cell) = &cell {
         options
             .extra
@@ -368,7 +395,7 @@ fn main() {
         .find(|l| l.starts_with("redis_version:") || l.starts_with("valkey_version:"))
         .unwrap_or("")
         .to_string();
-    eprintln!("load benchmark on {version}, {runs} run(s) a row");
+    eprintln!("load benchmark on {version}, {runs} run(s) a row, server and client on separate cores: {pinned}");
 
     let mut rows = vec![];
     for case in cases(cell.is_some()) {
@@ -389,8 +416,9 @@ fn main() {
     };
     let mut table = String::new();
     table.push_str(&format!(
-        "Measured on {} with {CONNECTIONS} connections; median of {runs} run(s); server CPU from INFO commandstats.\n\n",
-        version.replace(':', " ")
+        "Measured on {} with {CONNECTIONS} connections; median of {runs} run(s); server CPU from INFO commandstats; server and client {}.\n\n",
+        version.replace(':', " "),
+        if pinned { "pinned to separate cores" } else { "sharing the cores" }
     ));
     table.push_str("| command (one call) | keys | server µs/call | × INCR | calls/s, pipeline 1 | calls/s, pipeline 16 | p50 µs, one caller | bytes/key |\n");
     table.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
