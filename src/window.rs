@@ -4,6 +4,7 @@
 
 use std::ffi::CStr;
 
+use qag_core::number::stored_count;
 use qag_core::window::{self, Clock, Counters, FieldName, Kind};
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
@@ -49,7 +50,7 @@ fn counters(key: &Key, fields: &Fields) -> Counters {
         fields.tokens.raw,
         fields.previous_tokens.raw,
     ]);
-    let value = |s: &Option<OwnedString>| window::counter(s.as_ref().map(OwnedString::bytes));
+    let value = |s: &Option<OwnedString>| stored_count(s.as_ref().map(OwnedString::bytes));
     Counters {
         requests: value(&requests),
         previous_requests: value(&previous_requests),

@@ -35,30 +35,9 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     }
     let sha = load_script(&mut p);
     for round in 0..30 {
-        let bucket = format!("qag:rl:{{t}}:{}", round % 4);
-        let _: Value = cmd("QAG.TAKE")
-            .arg(&bucket)
-            .arg(3)
-            .arg(0.5)
-            .query(&mut p)
-            .unwrap();
-        let _: Value = cmd("QAG.TAKE")
-            .arg(&bucket)
-            .arg(3)
-            .arg(0.5)
-            .arg("COST")
-            .arg(2)
-            .query(&mut p)
-            .unwrap();
-        let _: Value = cmd("QAG.TAKE2")
-            .arg("qag:rl:{t}:ip")
-            .arg(20)
-            .arg(1)
-            .arg(&bucket)
-            .arg(3)
-            .arg(0.5)
-            .query(&mut p)
-            .unwrap();
+        // Every writing command, with lifetimes of a second so that refills, expired
+        // leases and new windows all happen during the run.
+        mixed_round(&mut p, round, 1);
         let _: Value = cmd("EVALSHA")
             .arg(&sha)
             .arg(1)
@@ -79,69 +58,8 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
             .arg(10)
             .query(&mut p)
             .unwrap();
-        let slots = "qag:running:{t}";
-        let _: Value = cmd("QAG.LEASE")
-            .arg(slots)
-            .arg(3)
-            .arg(400)
-            .arg(format!("req{round}"))
-            .query(&mut p)
-            .unwrap();
-        let _: Value = cmd("QAG.RENEW")
-            .arg(slots)
-            .arg(format!("req{}", round.max(1) - 1))
-            .arg(500)
-            .query(&mut p)
-            .unwrap();
-        if round % 3 == 0 {
-            let _: Value = cmd("QAG.RELEASE")
-                .arg(slots)
-                .arg(format!("req{round}"))
-                .query(&mut p)
-                .unwrap();
-        }
-        let quota = "qag:quota:{t}";
-        let command = if round % 7 == 3 {
-            "QAG.QUOTA.SEED"
-        } else {
-            "QAG.QUOTA.ADD"
-        };
-        let _: Value = cmd(command)
-            .arg(quota)
-            .arg("PER")
-            .arg("day")
-            .arg("TZ")
-            .arg("America/New_York")
-            .arg("CALLS")
-            .arg(round)
-            .arg("ROWS")
-            .arg(10 * round)
-            .query(&mut p)
-            .unwrap();
-        let (org, key) = ("qag:win:{t}:org", "qag:win:{t}:key");
-        let _: Value = cmd("QAG.ADMIT")
-            .arg(2)
-            .arg(org)
-            .arg(40)
-            .arg(5000)
-            .arg(key)
-            .arg(3)
-            .arg(0)
-            .arg("WINDOW")
-            .arg(1)
-            .query(&mut p)
-            .unwrap();
-        let _: Value = cmd("QAG.RECORD")
-            .arg(2)
-            .arg(org)
-            .arg(key)
-            .arg(100 + round)
-            .arg("WINDOW")
-            .arg(1)
-            .query(&mut p)
-            .unwrap();
         if round % 10 == 9 {
-            std::thread::sleep(Duration::from_millis(300));
+            std::thread::sleep(Duration::from_millis(600));
         }
     }
     let acked: i64 = cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();

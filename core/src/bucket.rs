@@ -123,10 +123,9 @@ pub fn expire_at_millis(now_micros: i64, period: f64) -> i64 {
 }
 
 /// Reads a stored field the way the script does: a finite decimal number, else nothing.
+/// Surrounding blanks are allowed, as Lua's tonumber allows them.
 pub fn parse_field(bytes: &[u8]) -> Option<f64> {
-    let text = std::str::from_utf8(bytes).ok()?.trim_ascii();
-    let value: f64 = text.parse().ok()?;
-    value.is_finite().then_some(value)
+    crate::args::parse_number(bytes.trim_ascii())
 }
 
 /// Reads both fields; a bucket with either missing or unreadable counts as full.

@@ -9,6 +9,15 @@ pub fn format_number(buffer: &mut ryu::Buffer, value: f64) -> &str {
     text.strip_suffix(".0").unwrap_or(text)
 }
 
+/// Reads a count the module stored (calls, rows, requests, tokens): a non-negative
+/// integer; a missing or unreadable field counts as 0.
+pub fn stored_count(bytes: Option<&[u8]>) -> i64 {
+    bytes
+        .and_then(crate::args::parse_integer)
+        .filter(|n| *n >= 0)
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -28,6 +37,14 @@ mod tests {
             format_number(&mut b, 9007199254740992.0),
             "9007199254740992"
         );
+    }
+
+    #[test]
+    fn stored_counts() {
+        assert_eq!(stored_count(Some(b"12")), 12);
+        assert_eq!(stored_count(Some(b"-3")), 0);
+        assert_eq!(stored_count(Some(b"1.5")), 0);
+        assert_eq!(stored_count(None), 0);
     }
 
     proptest! {

@@ -8,6 +8,7 @@ use jiff::tz::TimeZone;
 use jiff::{Timestamp, ZonedDateTime};
 
 use crate::args::{ArgError, ArgList, Args};
+use crate::number::stored_count;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Per {
@@ -108,14 +109,6 @@ pub struct Usage {
     pub rows: i64,
 }
 
-/// A stored count: a non-negative integer; anything else counts as 0.
-fn count(bytes: Option<&[u8]>) -> i64 {
-    bytes
-        .and_then(crate::args::parse_integer)
-        .filter(|n| *n >= 0)
-        .unwrap_or(0)
-}
-
 /// The usage the hash holds for `period`; zero when it holds another period's.
 pub fn usage(
     stored_period: Option<&[u8]>,
@@ -127,8 +120,8 @@ pub fn usage(
         return Usage::default();
     }
     Usage {
-        calls: count(calls),
-        rows: count(rows),
+        calls: stored_count(calls),
+        rows: stored_count(rows),
     }
 }
 

@@ -137,14 +137,6 @@ pub fn admit(scopes: &[(Limits, Counters)], clock: &Clock) -> Admission {
     }
 }
 
-/// Reads a stored counter: a non-negative integer, anything else 0.
-pub fn counter(bytes: Option<&[u8]>) -> i64 {
-    bytes
-        .and_then(crate::args::parse_integer)
-        .filter(|n| *n >= 0)
-        .unwrap_or(0)
-}
-
 /// A field name, `req:<n>` or `tok:<n>`, formatted on the stack.
 #[derive(Clone, Copy)]
 pub struct FieldName {
@@ -402,9 +394,6 @@ mod tests {
         ] {
             assert!(!is_stale(other, &c), "{other:?}");
         }
-        assert_eq!(counter(Some(b"12")), 12);
-        assert_eq!(counter(Some(b"-3")), 0);
-        assert_eq!(counter(None), 0);
     }
 
     #[test]
