@@ -169,16 +169,19 @@ impl Ctx {
     /// Replicates `command key args...` to replicas and the AOF: the plain command
     /// that has the effect the module just had.
     pub fn replicate(&self, command: &CStr, key: RawString, args: &[RawString]) {
-        // SAFETY: format "sv": the key, then an array of live strings and its length.
+        // SAFETY: the API table is filled in at load and never changes afterwards.
+        let replicate = unsafe { raw::RedisModule_Replicate.unwrap() };
+        let (ctx, command) = (self.0, command.as_ptr());
+        // SAFETY: each format letter "s" matched by a live string; "v" by an array of
+        // live strings and its length. Short lists go as single strings: an array costs
+        // the server a second allocation per call.
         unsafe {
-            raw::RedisModule_Replicate.unwrap()(
-                self.0,
-                command.as_ptr(),
-                c"sv".as_ptr(),
-                key,
-                args.as_ptr(),
-                args.len(),
-            );
+            match *args {
+                [a] => replicate(ctx, command, c"ss".as_ptr(), key, a),
+                [a, b] => replicate(ctx, command, c"sss".as_ptr(), key, a, b),
+                [a, b, c, d] => replicate(ctx, command, c"sssss".as_ptr(), key, a, b, c, d),
+                _ => replicate(ctx, command, c"sv".as_ptr(), key, args.as_ptr(), args.len()),
+            };
         }
     }
 

@@ -308,9 +308,15 @@ impl<'ctx> Key<'ctx> {
     }
 
     /// Sets the key's absolute expiry in Unix milliseconds; replicated as `PEXPIREAT`,
-    /// absolute, so a replica or a replayed AOF expires it at the same instant.
+    /// absolute, so a replica or a replayed AOF expires it at the same instant. A key
+    /// that already expires then is left alone: nothing changes, so nothing is
+    /// replicated (a replica already has that expiry from the call that set it).
     pub fn expire_at(&mut self, at_millis: i64) {
         // SAFETY: an open, existing key.
+        if unsafe { raw::RedisModule_GetAbsExpire.unwrap()(self.raw) } == at_millis {
+            return;
+        }
+        // SAFETY: as above.
         unsafe { raw::RedisModule_SetAbsExpire.unwrap()(self.raw, at_millis) };
         let at = OwnedString::from_integer(self.ctx, at_millis);
         self.replicate(c"PEXPIREAT", &[at.raw]);

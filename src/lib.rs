@@ -63,6 +63,7 @@ fn missing_api() -> Option<&'static str> {
                 { RedisModule_ScanCursorDestroy }.is_some(),
             ),
             ("ScanKey", { RedisModule_ScanKey }.is_some()),
+            ("GetAbsExpire", { RedisModule_GetAbsExpire }.is_some()),
             ("SetAbsExpire", { RedisModule_SetAbsExpire }.is_some()),
             ("StringPtrLen", { RedisModule_StringPtrLen }.is_some()),
             ("ValueLength", { RedisModule_ValueLength }.is_some()),

@@ -7,18 +7,14 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-#[test]
-fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
-    if external("replication") {
-        return;
-    }
+/// A primary with the module and a linked replica without it.
+fn primary_and_replica() -> (Server, Server) {
     let primary = Server::start(&ServerOptions::default());
-    let mut replica = Server::start(&ServerOptions {
+    let replica = Server::start(&ServerOptions {
         without_module: true,
         replica_of: Some(primary.port),
         ..Default::default()
     });
-    let mut p = primary.client().get_connection().unwrap();
     let mut r = replica.client().get_connection().unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -33,6 +29,17 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    (primary, replica)
+}
+
+#[test]
+fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
+    if external("replication") {
+        return;
+    }
+    let (primary, mut replica) = primary_and_replica();
+    let mut p = primary.client().get_connection().unwrap();
+    let mut r = replica.client().get_connection().unwrap();
     let sha = load_script(&mut p);
     for round in 0..30 {
         // Every writing command, with lifetimes of a second so that refills, expired
@@ -77,4 +84,63 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
         "{}",
         replica.log()
     );
+}
+
+/// Calls that leave a key's expiry where it was replicate no PEXPIREAT: the replica
+/// applies one HSET a call, and a PEXPIREAT only when the expiry moves.
+#[test]
+fn an_expiry_that_does_not_move_is_not_replicated() {
+    if external("replication") {
+        return;
+    }
+    let (primary, replica) = primary_and_replica();
+    let mut p = primary.client().get_connection().unwrap();
+    let mut r = replica.client().get_connection().unwrap();
+    const CALLS: i64 = 20;
+    for _ in 0..CALLS {
+        // A 600 s bucket's expiry moves in steps of 37 s; a quota's is fixed for its
+        // month; a 60 s window's moves once a window.
+        let _: Value = cmd("QAG.TAKE")
+            .arg("qag:rl:steady")
+            .arg(1000)
+            .arg(600)
+            .query(&mut p)
+            .unwrap();
+        let _: Value = cmd("QAG.QUOTA.ADD")
+            .arg("qag:quota:steady")
+            .arg("PER")
+            .arg("month")
+            .arg("TZ")
+            .arg("UTC")
+            .arg("CALLS")
+            .arg(1)
+            .query(&mut p)
+            .unwrap();
+        let _: Value = cmd("QAG.ADMIT")
+            .arg(1)
+            .arg("qag:llm:steady")
+            .arg(1000)
+            .arg(0)
+            .query(&mut p)
+            .unwrap();
+    }
+    let acked: i64 = cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
+    assert_eq!(acked, 1, "the replica acknowledged the stream");
+    let mut applied = |command: &str| -> i64 {
+        let stats: String = cmd("INFO").arg("commandstats").query(&mut r).unwrap();
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    assert_eq!(applied("hset"), 3 * CALLS, "one HSET a call");
+    // One per key, and one more for a key whose step or window ended during the run.
+    let pexpireat = applied("pexpireat");
+    assert!(
+        (3..=5).contains(&pexpireat),
+        "{pexpireat} PEXPIREAT for {} calls",
+        3 * CALLS
+    );
+    assert_eq!(dataset(&mut r), dataset(&mut p));
 }

@@ -115,11 +115,19 @@ pub fn seconds_from_micros(micros: i64) -> f64 {
     (micros.div_euclid(1_000_000)) as f64 + (micros.rem_euclid(1_000_000)) as f64 / 1e6
 }
 
-/// The absolute expiry (Unix milliseconds) the script's `EXPIRE key ceil(period)` sets
-/// when run at `now_micros`.
+/// When a bucket's key may expire, in Unix milliseconds: by `now + ceil(period)` the
+/// bucket is full again, and a missing bucket reads as full. The script's
+/// `EXPIRE key ceil(period)` sets exactly that; the module rounds it up to a whole
+/// multiple of a step of `ceil(period) / 16` seconds (at least one), so that the calls
+/// to a bucket within one step leave its expiry as it is and replicate no `PEXPIREAT`,
+/// while the key outlives its refill by at most a sixteenth of the period (or a second).
 pub fn expire_at_millis(now_micros: i64, period: f64) -> i64 {
-    let ttl_millis = (period.ceil() as i64).saturating_mul(1000);
-    now_micros.div_euclid(1000).saturating_add(ttl_millis)
+    let ttl = period.ceil() as i64;
+    let step = (ttl / 16).max(1);
+    let full_micros = now_micros.saturating_add(ttl.saturating_mul(1_000_000));
+    let steps = full_micros.div_euclid(step * 1_000_000)
+        + i64::from(full_micros.rem_euclid(step * 1_000_000) != 0);
+    steps.saturating_mul(step).saturating_mul(1000)
 }
 
 /// Reads a stored field the way the script does: a finite decimal number, else nothing.
@@ -440,13 +448,38 @@ mod tests {
     }
 
     #[test]
-    fn expiry_is_ceil_period_after_now() {
-        assert_eq!(expire_at_millis(1_000_000_500, 60.0), 1_000_000 + 60_000);
-        assert_eq!(expire_at_millis(1_000_000_500, 0.25), 1_000_000 + 1_000);
+    fn expiry_is_now_plus_ceil_period_rounded_up_to_a_step() {
+        // Periods up to 31 s: a step of one second.
+        let now = 1_000_000_500; // 1,000.0005 s
+        assert_eq!(expire_at_millis(now, 0.25), 1_002_000);
+        assert_eq!(expire_at_millis(now, 1.0), 1_002_000);
+        assert_eq!(expire_at_millis(now, 31.0), 1_032_000);
+        assert_eq!(expire_at_millis(1_000_000_000, 31.0), 1_031_000);
+        // 60 s: steps of 3 s; 1,060.0005 s rounds up to 1,062 s.
+        assert_eq!(expire_at_millis(now, 60.0), 1_062_000);
+        assert_eq!(expire_at_millis(1_002_000_000, 60.0), 1_062_000);
+        assert_eq!(expire_at_millis(1_002_000_001, 60.0), 1_065_000);
+        // An hour: steps of 225 s.
+        assert_eq!(expire_at_millis(now, 3600.0), 4_725_000);
         assert_eq!(
-            expire_at_millis(1_000_000_500, 1e10),
-            1_000_000 + 10_000_000_000_000
+            expire_at_millis(now, 1e10),
+            (1_000 + 10_000_000_000 + 625_000_000 - 1_000) * 1000
         );
+    }
+
+    proptest! {
+        #[test]
+        fn expiry_is_late_by_less_than_a_step(
+            now in 0i64..4_000_000_000_000_000,
+            period in 0.000001f64..1e10,
+        ) {
+            let at = expire_at_millis(now, period);
+            let full = now / 1000 + period.ceil() as i64 * 1000;
+            let step = ((period.ceil() as i64) / 16).max(1) * 1000;
+            prop_assert!(at >= full, "{at} before {full}");
+            prop_assert!(at - full < step, "{at} late by a step or more after {full}");
+            prop_assert_eq!(at % step, 0);
+        }
     }
 
     #[test]

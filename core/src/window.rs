@@ -46,9 +46,11 @@ impl Clock {
         ((left + 999_999) / 1_000_000).max(1)
     }
 
-    /// The key's expiry: two windows after this write.
+    /// The key's expiry: the end of the next window, when this window's counts stop
+    /// weighing on any estimate. It is the same for every write within a window, so
+    /// only a window's first write moves (and replicates) it.
     pub fn expire_at_millis(&self) -> i64 {
-        (self.now_micros + 2 * self.window_micros).div_euclid(1000)
+        (self.window() + 2) * self.window_micros / 1000
     }
 }
 
@@ -402,6 +404,8 @@ mod tests {
         assert_eq!(clock(59.2).seconds_left(), 1);
         assert_eq!(clock(58.2).seconds_left(), 2);
         assert_eq!(clock(0.0).expire_at_millis(), START / 1000 + 120_000);
+        assert_eq!(clock(59.9).expire_at_millis(), START / 1000 + 120_000);
+        assert_eq!(clock(60.0).expire_at_millis(), START / 1000 + 180_000);
     }
 
     fn parse_a(text: &str) -> Result<AdmitArgs, String> {
