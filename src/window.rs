@@ -8,11 +8,12 @@ use qag_core::number::stored_count;
 use qag_core::window::{self, Clock, Counters, FieldName, Kind};
 
 use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
-use crate::key::{Access, Key, OwnedString, RawString, ValueType};
+use crate::key::{Access, Key, OwnedString, ValueType};
 
-/// The field names one call reads and writes: the current and previous windows'. The
-/// same for every scope, so made once per call.
+/// The call's clock and the field names it reads and writes: the current and previous
+/// windows'. The same for every scope, so made once per call.
 struct Fields {
+    clock: Clock,
     requests: OwnedString,
     previous_requests: OwnedString,
     tokens: OwnedString,
@@ -20,10 +21,11 @@ struct Fields {
 }
 
 impl Fields {
-    fn new(ctx: &Ctx, clock: &Clock) -> Fields {
+    fn new(ctx: &Ctx, clock: Clock) -> Fields {
         let n = clock.window();
         let name = |kind, window| OwnedString::new(ctx, FieldName::new(kind, window).as_bytes());
         Fields {
+            clock,
             requests: name(Kind::Requests, n),
             previous_requests: name(Kind::Requests, n - 1),
             tokens: name(Kind::Tokens, n),
@@ -43,30 +45,53 @@ fn open_all<'ctx>(
         .collect()
 }
 
-fn counters(key: &Key, fields: &Fields) -> Counters {
-    let [requests, previous_requests, tokens, previous_tokens] = key.hash_get([
-        fields.requests.raw,
-        fields.previous_requests.raw,
-        fields.tokens.raw,
-        fields.previous_tokens.raw,
-    ]);
-    let value = |s: &Option<OwnedString>| stored_count(s.as_ref().map(OwnedString::bytes));
-    Counters {
-        requests: value(&requests),
-        previous_requests: value(&previous_requests),
-        tokens: value(&tokens),
-        previous_tokens: value(&previous_tokens),
-    }
+/// A scope as read: its counters, and which of the four counter fields its hash holds.
+struct Scope {
+    counters: Counters,
+    has_requests: bool,
+    has_tokens: bool,
+    held: usize,
 }
 
-/// Sets one counter of a scope, removes its windows that no longer count and moves its
-/// expiry two windows on.
-fn write(ctx: &Ctx, key: &mut Key, field: RawString, value: i64, clock: &Clock) {
-    let value = OwnedString::from_integer(ctx, value);
-    key.set_fields([(field, value.raw)]);
-    let stale = key.hash_fields_where(&|name| window::is_stale(name, clock));
-    key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
-    key.expire_at(clock.expire_at_millis());
+impl Scope {
+    fn read(key: &Key, fields: &Fields) -> Scope {
+        let values = key.hash_get([
+            fields.requests.raw,
+            fields.previous_requests.raw,
+            fields.tokens.raw,
+            fields.previous_tokens.raw,
+        ]);
+        let value = |i: usize| stored_count(values[i].as_ref().map(OwnedString::bytes));
+        Scope {
+            counters: Counters {
+                requests: value(0),
+                previous_requests: value(1),
+                tokens: value(2),
+                previous_tokens: value(3),
+            },
+            has_requests: values[0].is_some(),
+            has_tokens: values[2].is_some(),
+            held: values.iter().flatten().count(),
+        }
+    }
+
+    /// Sets one current counter, removes the scope's windows that no longer count and
+    /// moves its expiry to the next window's end.
+    fn write(&self, ctx: &Ctx, key: &mut Key, fields: &Fields, counter: Kind, value: i64) {
+        let (field, had) = match counter {
+            Kind::Requests => (&fields.requests, self.has_requests),
+            Kind::Tokens => (&fields.tokens, self.has_tokens),
+        };
+        let value = OwnedString::from_integer(ctx, value);
+        key.set_fields([(field.raw, value.raw)]);
+        // A hash holding only the two counted windows' fields has nothing stale: the
+        // scan for stale fields is needed only when it holds more.
+        if key.len() > self.held + usize::from(!had) {
+            let stale = key.hash_fields_where(&|name| window::is_stale(name, &fields.clock));
+            key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
+        }
+        key.expire_at(fields.clock.expire_at_millis());
+    }
 }
 
 /// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds]
@@ -85,17 +110,18 @@ impl Command for Admit {
         let call = window::parse_admit(args)?;
         let clock = Clock::new(call.window_seconds, ctx.now_micros());
         let mut keys = open_all(ctx, args, call.scopes.iter().map(|(key, _)| *key))?;
-        let fields = Fields::new(ctx, &clock);
-        let state: Vec<_> = keys
+        let fields = Fields::new(ctx, clock);
+        let scopes: Vec<Scope> = keys.iter().map(|key| Scope::read(key, &fields)).collect();
+        let state: Vec<_> = scopes
             .iter()
             .zip(&call.scopes)
-            .map(|(key, (_, limits))| (*limits, counters(key, &fields)))
+            .map(|(scope, (_, limits))| (*limits, scope.counters))
             .collect();
         let admission = window::admit(&state, &clock);
         if admission.admitted {
-            for (key, (_, counters)) in keys.iter_mut().zip(&state) {
-                let requests = counters.requests.saturating_add(1);
-                write(ctx, key, fields.requests.raw, requests, &clock);
+            for (key, scope) in keys.iter_mut().zip(&scopes) {
+                let requests = scope.counters.requests.saturating_add(1);
+                scope.write(ctx, key, &fields, Kind::Requests, requests);
             }
         }
         Ok(Reply::Array(admission.as_reply().into()))
@@ -119,17 +145,18 @@ impl Command for Record {
         let call = window::parse_record(args)?;
         let clock = Clock::new(call.window_seconds, ctx.now_micros());
         let mut keys = open_all(ctx, args, call.keys.iter().copied())?;
-        let fields = Fields::new(ctx, &clock);
+        let fields = Fields::new(ctx, clock);
+        let scopes: Vec<Scope> = keys.iter().map(|key| Scope::read(key, &fields)).collect();
         // Every new count is computed, and checked, before any is written.
-        let totals = keys
+        let totals = scopes
             .iter()
-            .map(|key| counters(key, &fields).tokens.checked_add(call.tokens))
+            .map(|scope| scope.counters.tokens.checked_add(call.tokens))
             .collect::<Option<Vec<i64>>>()
             .ok_or(CommandError::Refused(
                 "ERR the token count would overflow; nothing was charged",
             ))?;
-        for (key, total) in keys.iter_mut().zip(totals) {
-            write(ctx, key, fields.tokens.raw, total, &clock);
+        for ((key, scope), total) in keys.iter_mut().zip(&scopes).zip(totals) {
+            scope.write(ctx, key, &fields, Kind::Tokens, total);
         }
         Ok(Reply::Integer(keys.len() as i64))
     }
