@@ -180,6 +180,9 @@ impl Ctx {
                 [a] => replicate(ctx, command, c"ss".as_ptr(), key, a),
                 [a, b] => replicate(ctx, command, c"sss".as_ptr(), key, a, b),
                 [a, b, c, d] => replicate(ctx, command, c"sssss".as_ptr(), key, a, b, c, d),
+                [a, b, c, d, e, f] => {
+                    replicate(ctx, command, c"sssssss".as_ptr(), key, a, b, c, d, e, f)
+                }
                 _ => replicate(ctx, command, c"sv".as_ptr(), key, args.as_ptr(), args.len()),
             };
         }

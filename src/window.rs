@@ -34,15 +34,40 @@ impl Fields {
     }
 }
 
-/// Opens every key of the chain for writing, checking all their types before any is
-/// written.
-fn open_all<'ctx>(
-    ctx: &'ctx Ctx,
-    args: &RawArgs,
-    keys: impl Iterator<Item = usize>,
-) -> Result<Vec<Key<'ctx>>, CommandError> {
-    keys.map(|index| Key::open(ctx, args.string(index), Access::ReadWrite, ValueType::Hash))
-        .collect()
+/// Every scope of a call: its key, opened for writing, and what it holds. All keys are
+/// opened, and their types checked, before any is written.
+struct Chain<'ctx> {
+    keys: Vec<Key<'ctx>>,
+    scopes: Vec<Scope>,
+    fields: Fields,
+}
+
+impl<'ctx> Chain<'ctx> {
+    fn open(
+        ctx: &'ctx Ctx,
+        args: &RawArgs,
+        keys: impl Iterator<Item = usize>,
+        window_seconds: i64,
+    ) -> Result<Chain<'ctx>, CommandError> {
+        let clock = Clock::new(window_seconds, ctx.now_micros());
+        let keys = keys
+            .map(|index| Key::open(ctx, args.string(index), Access::ReadWrite, ValueType::Hash))
+            .collect::<Result<Vec<_>, _>>()?;
+        let fields = Fields::new(ctx, clock);
+        let scopes = keys.iter().map(|key| Scope::read(key, &fields)).collect();
+        Ok(Chain {
+            keys,
+            scopes,
+            fields,
+        })
+    }
+
+    /// Sets one current counter of every scope, in order, to `values`.
+    fn write(&mut self, ctx: &Ctx, counter: Kind, values: Vec<i64>) {
+        for ((key, scope), value) in self.keys.iter_mut().zip(&self.scopes).zip(values) {
+            scope.write(ctx, key, &self.fields, counter, value);
+        }
+    }
 }
 
 /// A scope as read: its counters, and which of the four counter fields its hash holds.
@@ -108,21 +133,21 @@ impl Command for Admit {
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_admit(args)?;
-        let clock = Clock::new(call.window_seconds, ctx.now_micros());
-        let mut keys = open_all(ctx, args, call.scopes.iter().map(|(key, _)| *key))?;
-        let fields = Fields::new(ctx, clock);
-        let scopes: Vec<Scope> = keys.iter().map(|key| Scope::read(key, &fields)).collect();
-        let state: Vec<_> = scopes
+        let keys = call.scopes.iter().map(|(key, _)| *key);
+        let mut chain = Chain::open(ctx, args, keys, call.window_seconds)?;
+        let state: Vec<_> = chain
+            .scopes
             .iter()
             .zip(&call.scopes)
             .map(|(scope, (_, limits))| (*limits, scope.counters))
             .collect();
-        let admission = window::admit(&state, &clock);
+        let admission = window::admit(&state, &chain.fields.clock);
         if admission.admitted {
-            for (key, scope) in keys.iter_mut().zip(&scopes) {
-                let requests = scope.counters.requests.saturating_add(1);
-                scope.write(ctx, key, &fields, Kind::Requests, requests);
-            }
+            let requests = state
+                .iter()
+                .map(|(_, counters)| counters.requests.saturating_add(1))
+                .collect();
+            chain.write(ctx, Kind::Requests, requests);
         }
         Ok(Reply::Array(admission.as_reply().into()))
     }
@@ -143,21 +168,18 @@ impl Command for Record {
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_record(args)?;
-        let clock = Clock::new(call.window_seconds, ctx.now_micros());
-        let mut keys = open_all(ctx, args, call.keys.iter().copied())?;
-        let fields = Fields::new(ctx, clock);
-        let scopes: Vec<Scope> = keys.iter().map(|key| Scope::read(key, &fields)).collect();
+        let keys = call.keys.iter().copied();
+        let mut chain = Chain::open(ctx, args, keys, call.window_seconds)?;
         // Every new count is computed, and checked, before any is written.
-        let totals = scopes
+        let totals = chain
+            .scopes
             .iter()
             .map(|scope| scope.counters.tokens.checked_add(call.tokens))
             .collect::<Option<Vec<i64>>>()
             .ok_or(CommandError::Refused(
                 "ERR the token count would overflow; nothing was charged",
             ))?;
-        for ((key, scope), total) in keys.iter_mut().zip(&scopes).zip(totals) {
-            scope.write(ctx, key, &fields, Kind::Tokens, total);
-        }
-        Ok(Reply::Integer(keys.len() as i64))
+        chain.write(ctx, Kind::Tokens, totals);
+        Ok(Reply::Integer(chain.keys.len() as i64))
     }
 }

@@ -186,6 +186,16 @@ fn fields_and_expiry_follow_the_window() {
     assert_eq!(admit(&mut con, &[(&old, 10, 0)], 60)[0], 1);
     let fields: Vec<String> = cmd("HKEYS").arg(&old).query(&mut con).unwrap();
     assert_eq!(fields.len(), 1, "{fields:?}");
+    // A stale field beside the current window's counter is cleaned too.
+    let _: () = cmd("HSET")
+        .arg(&old)
+        .arg(format!("tok:{}", window / 60 - 5))
+        .arg(7)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(admit(&mut con, &[(&old, 10, 0)], 60)[0], 1);
+    let fields: Vec<String> = cmd("HKEYS").arg(&old).query(&mut con).unwrap();
+    assert_eq!(fields.len(), 1, "{fields:?}");
     t.assert_healthy();
 }
 
