@@ -25,7 +25,7 @@ fn token_bucket(c: &mut Criterion) {
         b.iter(|| {
             bucket::take(
                 black_box(limit),
-                black_box(1.0),
+                black_box(1),
                 black_box(stored),
                 black_box(NOW),
             )

@@ -61,8 +61,11 @@ impl<'a> Bucket<'a> {
         let ts = OwnedString::new(ctx, format_number(&mut text, outcome.state.ts).as_bytes());
         self.key
             .set_fields([(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
-        self.key
-            .expire_at(bucket::expire_at_millis(now_micros, self.args.limit.period));
+        self.key.expire_at(bucket::expire_at_millis(
+            now_micros,
+            outcome.state.ts,
+            self.args.limit.period,
+        ));
     }
 }
 
@@ -129,7 +132,7 @@ impl Command for TakePair {
 
         if !client_outcome.verdict.allowed {
             // The key bucket is not counted, only type-checked: no write, no touch.
-            Bucket::open(ctx, args, &pair.key, Access::Read)?;
+            Bucket::open(ctx, args, &pair.key, Access::ReadUntouched)?;
             client.write(ctx, &client_outcome, now);
             return Ok(Reply::Pair(client_reply, None));
         }

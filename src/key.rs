@@ -1,7 +1,10 @@
 //! Keys through the module's low-level key API: open once, read and write in place,
 //! close on drop. No call goes through another command. Every write here is also the
 //! one place that replicates it (as the plain command with the same effect) and fires
-//! its keyspace notification, so no command can write without replicating.
+//! its keyspace notifications, so no command can write without replicating. A key is
+//! signalled as modified (WATCH, client tracking) when it closes only if something was
+//! written to it: the module loads with the server's implicit signal on every key
+//! opened for writing turned off, so a refusal or a no-op is not a write.
 
 use std::ffi::{c_int, CStr};
 use std::ptr;
@@ -36,11 +39,15 @@ pub struct Key<'ctx> {
     name: RawString,
     /// Whether the key holds a value (of the expected type) rather than nothing.
     exists: bool,
+    /// Whether anything was written, so that closing signals the key as modified.
+    written: bool,
 }
 
 #[derive(Clone, Copy)]
 pub enum Access {
     Read,
+    /// Read without touching the key's idle time, for a type check only.
+    ReadUntouched,
     ReadWrite,
 }
 
@@ -55,6 +62,7 @@ impl<'ctx> Key<'ctx> {
     ) -> Result<Key<'ctx>, CommandError> {
         let mode = match access {
             Access::Read => raw::REDISMODULE_READ,
+            Access::ReadUntouched => raw::REDISMODULE_READ | raw::REDISMODULE_OPEN_KEY_NOTOUCH,
             Access::ReadWrite => raw::REDISMODULE_READ | raw::REDISMODULE_WRITE,
         };
         // SAFETY: a live context and one of its argument strings.
@@ -76,6 +84,7 @@ impl<'ctx> Key<'ctx> {
             raw: raw_key,
             name,
             exists: key_type == expected_type,
+            written: false,
         };
         if key_type != raw::REDISMODULE_KEYTYPE_EMPTY && key_type != expected_type {
             return Err(CommandError::WrongType);
@@ -135,6 +144,7 @@ impl<'ctx> Key<'ctx> {
         }
         self.replicate(c"HSET", &argv[..2 * N]);
         self.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset");
+        self.written = true;
     }
 
     /// Deletes those of `fields` the hash has; replicated as one `HDEL` of them.
@@ -154,6 +164,8 @@ impl<'ctx> Key<'ctx> {
             self.exists = self.len() > 0;
             self.replicate(c"HDEL", &deleted);
             self.notify(raw::REDISMODULE_NOTIFY_HASH, c"hdel");
+            self.notify_if_deleted();
+            self.written = true;
         }
     }
 
@@ -230,10 +242,11 @@ impl<'ctx> Key<'ctx> {
         let score = OwnedString::from_integer(self.ctx, score);
         self.replicate(c"ZADD", &[score.raw, member]);
         self.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zadd");
+        self.written = true;
     }
 
     /// Removes `members`; replicated as one `ZREM`. The server deletes the key when it
-    /// empties.
+    /// empties, and then fires `del` after `zrem`, as ZREM does.
     pub fn zset_remove(&mut self, members: &[RawString]) {
         if !self.exists || members.is_empty() {
             return;
@@ -245,6 +258,8 @@ impl<'ctx> Key<'ctx> {
         self.exists = self.len() > 0;
         self.replicate(c"ZREM", members);
         self.notify(raw::REDISMODULE_NOTIFY_ZSET, c"zrem");
+        self.notify_if_deleted();
+        self.written = true;
     }
 
     /// The number of members (or fields, or elements) the key holds.
@@ -321,6 +336,23 @@ impl<'ctx> Key<'ctx> {
         let at = OwnedString::from_integer(self.ctx, at_millis);
         self.replicate(c"PEXPIREAT", &[at.raw]);
         self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire");
+        self.written = true;
+    }
+
+    /// Moves the key's expiry to `at_millis` unless it already expires later, so that
+    /// counts kept for a later time than the clock's are not dropped early.
+    pub fn expire_no_earlier_than(&mut self, at_millis: i64) {
+        // SAFETY: an open, existing key.
+        let current = unsafe { raw::RedisModule_GetAbsExpire.unwrap()(self.raw) };
+        self.expire_at(at_millis.max(current));
+    }
+
+    /// Fires `del` when a removal emptied the key, as the plain command does after its
+    /// own event.
+    fn notify_if_deleted(&self) {
+        if !self.exists {
+            self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"del");
+        }
     }
 
     fn replicate(&self, command: &CStr, args: &[RawString]) {
@@ -334,6 +366,10 @@ impl<'ctx> Key<'ctx> {
 
 impl Drop for Key<'_> {
     fn drop(&mut self) {
+        if self.written {
+            // SAFETY: a live context and the key's name, a string of this call.
+            unsafe { raw::RedisModule_SignalModifiedKey.unwrap()(self.ctx.raw(), self.name) };
+        }
         if !self.raw.is_null() {
             // SAFETY: opened by us, closed once.
             unsafe { raw::RedisModule_CloseKey.unwrap()(self.raw) };

@@ -63,6 +63,14 @@ fn missing_api() -> Option<&'static str> {
                 { RedisModule_ScanCursorDestroy }.is_some(),
             ),
             ("ScanKey", { RedisModule_ScanKey }.is_some()),
+            (
+                "SetModuleOptions",
+                { RedisModule_SetModuleOptions }.is_some(),
+            ),
+            (
+                "SignalModifiedKey",
+                { RedisModule_SignalModifiedKey }.is_some(),
+            ),
             ("GetAbsExpire", { RedisModule_GetAbsExpire }.is_some()),
             ("SetAbsExpire", { RedisModule_SetAbsExpire }.is_some()),
             ("StringPtrLen", { RedisModule_StringPtrLen }.is_some()),
@@ -103,6 +111,9 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         ));
         return Status::Err;
     }
+    // A key is signalled as modified (WATCH, client tracking) only when a command wrote
+    // to it, never merely because it was opened for writing: see key.rs.
+    ctx.set_module_options(redis_module::raw::ModuleOptions::NO_IMPLICIT_SIGNAL_MODIFIED);
     bucket::init();
     quota::init();
     let test_commands = args

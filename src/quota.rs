@@ -19,10 +19,12 @@ pub fn init() {
     ROWS.create();
 }
 
-/// A quota key opened for one call, with the period the call falls in.
+/// A quota key opened for one call, with the period the call counts into and the
+/// usage stored for it.
 struct Quota<'ctx> {
     key: Key<'ctx>,
     period: Period,
+    usage: Usage,
 }
 
 impl<'ctx> Quota<'ctx> {
@@ -33,21 +35,18 @@ impl<'ctx> Quota<'ctx> {
         access: Access,
     ) -> Result<Self, CommandError> {
         let key = Key::open(ctx, args.string(call.key), access, ValueType::Hash)?;
-        let period = quota::period(call.per, &call.zone, ctx.now_micros()).ok_or(
+        let [label, calls, rows] = key.hash_get([PERIOD.raw(), CALLS.raw(), ROWS.raw()]);
+        let label = label.as_ref().map(OwnedString::bytes);
+        let period = quota::counting_period(call.per, &call.zone, ctx.now_micros(), label).ok_or(
             CommandError::Refused("ERR the server clock is outside the calendar's range"),
         )?;
-        Ok(Quota { key, period })
-    }
-
-    /// The usage stored for the current period; zero when the hash holds an older one.
-    fn usage(&self) -> Usage {
-        let [period, calls, rows] = self.key.hash_get([PERIOD.raw(), CALLS.raw(), ROWS.raw()]);
-        quota::usage(
-            period.as_ref().map(OwnedString::bytes),
+        let usage = quota::usage(
+            label,
             calls.as_ref().map(OwnedString::bytes),
             rows.as_ref().map(OwnedString::bytes),
-            &self.period,
-        )
+            &period,
+        );
+        Ok(Quota { key, period, usage })
     }
 
     /// Writes the period's usage and the key's expiry, a day after the period ends.
@@ -81,7 +80,7 @@ impl Command for Check {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
         let quota = Quota::open(ctx, args, &call, Access::Read)?;
-        let check = quota::check(quota.usage(), call.limits());
+        let check = quota::check(quota.usage, call.limits());
         Ok(Reply::Array(Row::new(&[
             Some(i64::from(check.allowed)),
             check.calls_remaining,
@@ -107,7 +106,7 @@ impl Command for Add {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
         let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
-        let usage = quota::add(quota.usage(), call.counts()).ok_or(CommandError::Refused(
+        let usage = quota::add(quota.usage, call.counts()).ok_or(CommandError::Refused(
             "ERR the count would overflow; nothing was added",
         ))?;
         Ok(quota.write(ctx, usage))
@@ -130,7 +129,7 @@ impl Command for Seed {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
         let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
-        let usage = quota::seed(quota.usage(), call.counts());
+        let usage = quota::seed(quota.usage, call.counts());
         Ok(quota.write(ctx, usage))
     }
 }

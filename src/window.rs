@@ -115,7 +115,7 @@ impl Scope {
             let stale = key.hash_fields_where(&|name| window::is_stale(name, &fields.clock));
             key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
         }
-        key.expire_at(fields.clock.expire_at_millis());
+        key.expire_no_earlier_than(fields.clock.expire_at_millis());
     }
 }
 

@@ -249,3 +249,56 @@ fn check_then_add_overshoots_by_at_most_the_calls_in_flight() {
     );
     t.assert_healthy();
 }
+
+#[test]
+fn a_later_period_stored_than_the_clocks_is_kept_and_counted_into() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("ahead");
+    // The key holds next month (a clock stepped back across the month's end).
+    let (s, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+    let now = ZonedDateTime::new(Timestamp::from_second(s).unwrap(), TimeZone::UTC);
+    let next = now.date().last_of_month().tomorrow().unwrap();
+    let label = format!("{:04}-{:02}", next.year(), next.month());
+    let next_end = next
+        .last_of_month()
+        .tomorrow()
+        .unwrap()
+        .to_zoned_datetime(TimeZone::UTC)
+        .unwrap()
+        .timestamp()
+        .as_second();
+    let _: () = cmd("HSET")
+        .arg(&key)
+        .arg("period")
+        .arg(&label)
+        .arg("calls")
+        .arg(5)
+        .arg("rows")
+        .arg(70)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(
+        quota(&mut con, &key, &["CALLS", "6"]),
+        [Some(1), Some(1), None, Some(next_end)]
+    );
+    assert_eq!(
+        count(&mut con, "QAG.QUOTA.ADD", &key, 1, 10),
+        [6, 80, next_end]
+    );
+    assert_eq!(
+        count(&mut con, "QAG.QUOTA.SEED", &key, 2, 100),
+        [6, 100, next_end]
+    );
+    let stored: Vec<String> = cmd("HMGET")
+        .arg(&key)
+        .arg("period")
+        .arg("calls")
+        .arg("rows")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(stored, [label.as_str(), "6", "100"]);
+    let expiry: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
+    assert_eq!(expiry, (next_end + 86_400) * 1000);
+    t.assert_healthy();
+}

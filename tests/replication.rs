@@ -3,34 +3,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
-
-/// A primary with the module and a linked replica without it.
-fn primary_and_replica() -> (Server, Server) {
-    let primary = Server::start(&ServerOptions::default());
-    let replica = Server::start(&ServerOptions {
-        without_module: true,
-        replica_of: Some(primary.port),
-        ..Default::default()
-    });
-    let mut r = replica.client().get_connection().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let info: String = cmd("INFO").arg("replication").query(&mut r).unwrap();
-        if info.contains("master_link_status:up") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "replica never linked:\n{}",
-            replica.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    (primary, replica)
-}
 
 #[test]
 fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {

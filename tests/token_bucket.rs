@@ -144,6 +144,41 @@ fn cost_above_count_never_fits() {
         [1, 4, 0],
         "the refusal spent nothing"
     );
+    // As integers, even where the cost as a double would round down to the count.
+    let edge = t.key("edge-cost");
+    let count = 1u64 << 53;
+    assert_eq!(
+        take_cost(&mut con, &edge, count, 1.0, count + 1),
+        [0, count as i64, -1]
+    );
+    assert_eq!(bucket_fields(&mut con, &edge).unwrap().0, count as f64);
+    assert_eq!(take_cost(&mut con, &edge, count, 1.0, count), [1, 0, 0]);
+    t.assert_healthy();
+}
+
+#[test]
+fn a_stored_time_ahead_of_the_clock_keeps_the_key_until_the_bucket_is_full() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("ahead");
+    let ahead = server_now(&mut con) + 30.0;
+    let _: () = cmd("HSET")
+        .arg(&key)
+        .arg("tokens")
+        .arg(0)
+        .arg("ts")
+        .arg(ahead.to_string())
+        .query(&mut con)
+        .unwrap();
+    // The retry counts from the stored time: a second after it, not after now.
+    assert_eq!(take(&mut con, &key, 10, 10.0), [0, 0, 1]);
+    let expiry: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
+    let full = ((ahead + 10.0) * 1000.0).ceil() as i64;
+    // Steps of one second for a 10 s period.
+    assert!(
+        (full..full + 1000).contains(&expiry),
+        "expires at {expiry}, full at {full}"
+    );
     t.assert_healthy();
 }
 

@@ -230,3 +230,36 @@ fn keys_are_declared_even_between_limits() {
     assert_eq!(keys, ["org", "key"]);
     t.assert_healthy();
 }
+
+#[test]
+fn a_later_windows_counts_keep_their_expiry() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("ahead");
+    let (s, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+    // Counts of a window five windows ahead of the clock, expiring with it.
+    let later = s / 60 + 5;
+    let expiry = (later + 2) * 60_000;
+    let _: () = cmd("HSET")
+        .arg(&key)
+        .arg(format!("req:{later}"))
+        .arg(3)
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("PEXPIREAT")
+        .arg(&key)
+        .arg(expiry)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(admit(&mut con, &[(&key, 10, 0)], 60)[0], 1);
+    assert_eq!(record(&mut con, &[&key], 7, 60), 1);
+    let at: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
+    assert_eq!(at, expiry, "the expiry never moves back");
+    let kept: Option<i64> = cmd("HGET")
+        .arg(&key)
+        .arg(format!("req:{later}"))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(kept, Some(3));
+    t.assert_healthy();
+}

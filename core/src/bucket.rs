@@ -50,26 +50,33 @@ impl Limit {
 
 /// Takes `cost` tokens from a bucket whose hash held `stored` (None when a field is
 /// missing or not a finite number), at `now` seconds since the Unix epoch.
-pub fn take(limit: Limit, cost: f64, stored: Option<State>, now: f64) -> Take {
+///
+/// A cost above the count never fits. The script compares the two as doubles, which
+/// agrees for every cost a double holds exactly (up to 2^53, as every count); the
+/// integers are compared first, so a larger cost is refused even where its double
+/// would round down to the count.
+pub fn take(limit: Limit, cost: i64, stored: Option<State>, now: f64) -> Take {
     let State { tokens, ts } = stored.unwrap_or(State {
         tokens: limit.count,
         ts: now,
     });
+    let never_fits = cost > limit.count as i64;
+    let cost = cost as f64;
     let rate = limit.rate();
     let elapsed = lua_max(0.0, now - ts);
     let mut tokens = lua_min(limit.count, tokens + elapsed * rate);
-    let verdict = if tokens >= cost {
+    let verdict = if never_fits {
+        Verdict {
+            allowed: false,
+            tokens_left: 0,
+            retry_after: -1,
+        }
+    } else if tokens >= cost {
         tokens -= cost;
         Verdict {
             allowed: true,
             tokens_left: 0,
             retry_after: 0,
-        }
-    } else if cost > limit.count {
-        Verdict {
-            allowed: false,
-            tokens_left: 0,
-            retry_after: -1,
         }
     } else {
         Verdict {
@@ -115,16 +122,24 @@ pub fn seconds_from_micros(micros: i64) -> f64 {
     (micros.div_euclid(1_000_000)) as f64 + (micros.rem_euclid(1_000_000)) as f64 / 1e6
 }
 
-/// When a bucket's key may expire, in Unix milliseconds: by `now + ceil(period)` the
-/// bucket is full again, and a missing bucket reads as full. The script's
-/// `EXPIRE key ceil(period)` sets exactly that; the module rounds it up to a whole
-/// multiple of a step of `ceil(period) / 16` seconds (at least one), so that the calls
-/// to a bucket within one step leave its expiry as it is and replicate no `PEXPIREAT`,
-/// while the key outlives its refill by at most a sixteenth of the period (or a second).
-pub fn expire_at_millis(now_micros: i64, period: f64) -> i64 {
+/// When a bucket's key may expire, in Unix milliseconds: once the bucket is full
+/// again, since a missing bucket reads as full. It refills from its stored time `ts`,
+/// so the count starts there when `ts` is ahead of the clock (a clock stepped back
+/// refills nothing until it reaches `ts`), else now: then `now + ceil(period)`, what
+/// the script's `EXPIRE key ceil(period)` sets. The module rounds it up to a whole
+/// multiple of a step of `ceil(period) / 16` whole seconds (integer division; at least
+/// one), so that the calls to a bucket within one step leave its expiry as it is and
+/// replicate no `PEXPIREAT`, while the key outlives its refill by less than a step.
+pub fn expire_at_millis(now_micros: i64, ts: f64, period: f64) -> i64 {
+    let refill_from = if ts > seconds_from_micros(now_micros) {
+        // Saturates for a time beyond the i64 range: such a bucket never refills.
+        (ts * 1e6).ceil() as i64
+    } else {
+        now_micros
+    };
     let ttl = period.ceil() as i64;
     let step = (ttl / 16).max(1);
-    let full_micros = now_micros.saturating_add(ttl.saturating_mul(1_000_000));
+    let full_micros = refill_from.saturating_add(ttl.saturating_mul(1_000_000));
     let steps = full_micros.div_euclid(step * 1_000_000)
         + i64::from(full_micros.rem_euclid(step * 1_000_000) != 0);
     steps.saturating_mul(step).saturating_mul(1000)
@@ -161,11 +176,11 @@ pub fn parse_limit<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<Limit,
 }
 
 /// The trailing `[COST n]`, 1 when absent.
-pub fn parse_cost<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<f64, ArgError> {
+pub fn parse_cost<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<i64, ArgError> {
     if args.option(&["COST"], "COST n")?.is_none() {
-        return Ok(1.0);
+        return Ok(1);
     }
-    Ok(args.integer("cost", 1, i64::MAX)? as f64)
+    args.integer("cost", 1, i64::MAX)
 }
 
 /// QAG.TAKE and QAG.PEEK: `key count period [COST n]`.
@@ -173,7 +188,7 @@ pub fn parse_cost<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<f64, Ar
 pub struct TakeArgs {
     pub key: usize,
     pub limit: Limit,
-    pub cost: f64,
+    pub cost: i64,
 }
 
 pub fn parse_take<L: ArgList + ?Sized>(list: &L) -> Result<TakeArgs, ArgError> {
@@ -229,9 +244,9 @@ mod tests {
     #[test]
     fn take_arguments() {
         let t = parse(|l| parse_take(l), "TAKE k 60 60").unwrap();
-        assert_eq!((t.key, t.limit, t.cost), (1, limit(60.0, 60.0), 1.0));
+        assert_eq!((t.key, t.limit, t.cost), (1, limit(60.0, 60.0), 1));
         let t = parse(|l| parse_take(l), "TAKE k 1 0.5 cost 7").unwrap();
-        assert_eq!((t.limit, t.cost), (limit(1.0, 0.5), 7.0));
+        assert_eq!((t.limit, t.cost), (limit(1.0, 0.5), 7));
         let t = parse(|l| parse_take(l), "TAKE k 9007199254740992 10000000000").unwrap();
         assert_eq!(t.limit, limit(9007199254740992.0, 1e10));
         for (words, error) in [
@@ -301,11 +316,11 @@ mod tests {
         let p = parse(|l| parse_take_pair(l), "TAKE2 c 10 1 k 60 60 COST 2").unwrap();
         assert_eq!(
             (p.client.key, p.client.limit, p.client.cost),
-            (1, limit(10.0, 1.0), 2.0)
+            (1, limit(10.0, 1.0), 2)
         );
         assert_eq!(
             (p.key.key, p.key.limit, p.key.cost),
-            (4, limit(60.0, 60.0), 2.0)
+            (4, limit(60.0, 60.0), 2)
         );
         for (words, error) in [
             ("TAKE2 c 10 1 k 60", "ERR wrong number of arguments"),
@@ -336,7 +351,7 @@ mod tests {
 
     #[test]
     fn a_missing_bucket_is_full() {
-        let t = take(limit(10.0, 60.0), 1.0, None, NOW);
+        let t = take(limit(10.0, 60.0), 1, None, NOW);
         assert_eq!(t.verdict.as_reply(), [1, 9, 0]);
         assert_eq!(
             t.state,
@@ -352,11 +367,11 @@ mod tests {
         let l = limit(5.0, 60.0);
         let mut state = None;
         for left in (0..5).rev() {
-            let t = take(l, 1.0, state, NOW);
+            let t = take(l, 1, state, NOW);
             assert_eq!(t.verdict.as_reply(), [1, left, 0]);
             state = Some(t.state);
         }
-        let t = take(l, 1.0, state, NOW);
+        let t = take(l, 1, state, NOW);
         // 5 tokens a minute: one token every 12 s.
         assert_eq!(t.verdict.as_reply(), [0, 0, 12]);
         assert_eq!(
@@ -375,10 +390,10 @@ mod tests {
             tokens: 0.0,
             ts: NOW,
         });
-        let t = take(l, 1.0, empty, NOW + 2.5);
+        let t = take(l, 1, empty, NOW + 2.5);
         assert_eq!(t.verdict.as_reply(), [1, 1, 0]);
         assert_eq!(t.state.tokens, 1.5);
-        let t = take(l, 1.0, empty, NOW + 1_000.0);
+        let t = take(l, 1, empty, NOW + 1_000.0);
         assert_eq!(t.verdict.as_reply(), [1, 9, 0]);
     }
 
@@ -387,7 +402,7 @@ mod tests {
         let l = limit(10.0, 100.0); // 0.1 token/s
         let t = take(
             l,
-            3.0,
+            3,
             Some(State {
                 tokens: 1.05,
                 ts: NOW,
@@ -401,7 +416,7 @@ mod tests {
 
     #[test]
     fn cost_larger_than_count_never_fits() {
-        let t = take(limit(3.0, 1.0), 4.0, None, NOW);
+        let t = take(limit(3.0, 1.0), 4, None, NOW);
         assert_eq!(t.verdict.as_reply(), [0, 3, -1]);
         assert_eq!(t.state.tokens, 3.0);
     }
@@ -412,7 +427,7 @@ mod tests {
             tokens: 2.0,
             ts: NOW + 100.0,
         };
-        let t = take(limit(10.0, 1.0), 1.0, Some(ahead), NOW);
+        let t = take(limit(10.0, 1.0), 1, Some(ahead), NOW);
         assert_eq!(t.verdict.as_reply(), [1, 1, 0]);
         assert_eq!(
             t.state,
@@ -427,7 +442,7 @@ mod tests {
     fn a_lowered_count_caps_stored_tokens() {
         let t = take(
             limit(5.0, 1.0),
-            1.0,
+            1,
             Some(State {
                 tokens: 50.0,
                 ts: NOW,
@@ -451,20 +466,50 @@ mod tests {
     fn expiry_is_now_plus_ceil_period_rounded_up_to_a_step() {
         // Periods up to 31 s: a step of one second.
         let now = 1_000_000_500; // 1,000.0005 s
-        assert_eq!(expire_at_millis(now, 0.25), 1_002_000);
-        assert_eq!(expire_at_millis(now, 1.0), 1_002_000);
-        assert_eq!(expire_at_millis(now, 31.0), 1_032_000);
-        assert_eq!(expire_at_millis(1_000_000_000, 31.0), 1_031_000);
-        // 60 s: steps of 3 s; 1,060.0005 s rounds up to 1,062 s.
-        assert_eq!(expire_at_millis(now, 60.0), 1_062_000);
-        assert_eq!(expire_at_millis(1_002_000_000, 60.0), 1_062_000);
-        assert_eq!(expire_at_millis(1_002_000_001, 60.0), 1_065_000);
+        let at = |now_micros: i64, period: f64| {
+            expire_at_millis(now_micros, seconds_from_micros(now_micros), period)
+        };
+        assert_eq!(at(now, 0.25), 1_002_000);
+        assert_eq!(at(now, 1.0), 1_002_000);
+        assert_eq!(at(now, 31.0), 1_032_000);
+        assert_eq!(at(1_000_000_000, 31.0), 1_031_000);
+        // 60 s: steps of 60 / 16 = 3 whole seconds; 1,060.0005 s rounds up to 1,062 s.
+        assert_eq!(at(now, 60.0), 1_062_000);
+        assert_eq!(at(1_002_000_000, 60.0), 1_062_000);
+        assert_eq!(at(1_002_000_001, 60.0), 1_065_000);
         // An hour: steps of 225 s.
-        assert_eq!(expire_at_millis(now, 3600.0), 4_725_000);
+        assert_eq!(at(now, 3600.0), 4_725_000);
         assert_eq!(
-            expire_at_millis(now, 1e10),
+            at(now, 1e10),
             (1_000 + 10_000_000_000 + 625_000_000 - 1_000) * 1000
         );
+    }
+
+    #[test]
+    fn a_stored_time_ahead_of_the_clock_delays_the_expiry_to_its_refill() {
+        let now = 1_000_000_000; // 1,000 s
+                                 // Stored 30 s ahead: full 10 s after that, not 10 s after now.
+        assert_eq!(expire_at_millis(now, 1_030.0, 10.0), 1_040_000);
+        assert_eq!(expire_at_millis(now, 1_030.000_000_5, 10.0), 1_041_000);
+        // A stored time behind the clock changes nothing.
+        assert_eq!(expire_at_millis(now, 900.0, 10.0), 1_010_000);
+        // A time no clock reaches: the key never expires, nothing overflows.
+        assert_eq!(
+            expire_at_millis(now, 1e300, 10.0),
+            (i64::MAX / 1_000_000 + 1) * 1000
+        );
+    }
+
+    #[test]
+    fn a_cost_above_the_count_never_fits_even_where_a_double_rounds_it_down() {
+        let count = (1u64 << 53) as f64;
+        let t = take(limit(count, 1.0), (1 << 53) + 1, None, NOW);
+        assert_eq!(t.verdict.as_reply(), [0, 1 << 53, -1]);
+        assert_eq!(t.state.tokens, count, "nothing spent");
+        let t = take(limit(count, 1.0), 1 << 53, None, NOW);
+        assert_eq!(t.verdict.as_reply(), [1, 0, 0], "the count itself fits");
+        let t = take(limit(3.0, 1.0), i64::MAX, None, NOW);
+        assert_eq!(t.verdict.as_reply(), [0, 3, -1]);
     }
 
     proptest! {
@@ -473,7 +518,7 @@ mod tests {
             now in 0i64..4_000_000_000_000_000,
             period in 0.000001f64..1e10,
         ) {
-            let at = expire_at_millis(now, period);
+            let at = expire_at_millis(now, seconds_from_micros(now), period);
             let full = now / 1000 + period.ceil() as i64 * 1000;
             let step = ((period.ceil() as i64) / 16).max(1) * 1000;
             prop_assert!(at >= full, "{at} before {full}");
@@ -527,7 +572,7 @@ mod tests {
             stored in any::<bool>(),
             now in 0.0f64..4e9,
         ) {
-            let (count, cost) = (count as f64, cost as f64);
+            let (count, cost) = (count as f64, cost as i64);
             let state = stored.then_some(State { tokens, ts });
             let t = take(Limit { count, period }, cost, state, now);
             prop_assert!(t.state.tokens.is_finite());
@@ -536,11 +581,11 @@ mod tests {
             let v = t.verdict;
             if v.allowed {
                 prop_assert_eq!(v.retry_after, 0);
-            } else if cost > count {
+            } else if cost > count as i64 {
                 prop_assert_eq!(v.retry_after, -1);
             } else {
                 prop_assert!(v.retry_after >= 0);
-                let before = take(Limit { count, period }, 0.0, state, now);
+                let before = take(Limit { count, period }, 0, state, now);
                 prop_assert_eq!(before.state.tokens, t.state.tokens);
             }
         }
@@ -559,7 +604,7 @@ mod tests {
             let mut spent = 0.0;
             for (dt, cost) in steps {
                 now += dt;
-                let t = take(limit, cost as f64, state, now);
+                let t = take(limit, cost as i64, state, now);
                 if t.verdict.allowed {
                     spent += cost as f64;
                 }

@@ -4,6 +4,7 @@
 
 use std::io::Write;
 
+use jiff::civil::Date;
 use jiff::tz::TimeZone;
 use jiff::{Timestamp, ZonedDateTime};
 
@@ -54,7 +55,52 @@ impl Period {
 /// calendar's range (years beyond ±9999).
 pub fn period(per: Per, zone: &TimeZone, now_micros: i64) -> Option<Period> {
     let now = ZonedDateTime::new(Timestamp::from_microsecond(now_micros).ok()?, zone.clone());
-    let today = now.date();
+    period_of_day(per, zone, now.date())
+}
+
+/// The period a call counts into: the one the clock is in, unless the key holds a
+/// later period of the same kind. That happens when the clock stepped back across a
+/// period's start (a failover to a primary whose clock is behind): the later period's
+/// counts are kept and counted into, never reset to an earlier period's. Only a stored
+/// earlier (or unreadable) period starts afresh.
+pub fn counting_period(
+    per: Per,
+    zone: &TimeZone,
+    now_micros: i64,
+    stored_label: Option<&[u8]>,
+) -> Option<Period> {
+    let current = period(per, zone, now_micros)?;
+    let stored = stored_label
+        .and_then(|label| first_day_of_label(per, label))
+        .and_then(|day| period_of_day(per, zone, day));
+    Some(match stored {
+        Some(stored) if stored.start > current.start => stored,
+        _ => current,
+    })
+}
+
+/// The first day of the period a label names: `YYYY-MM-DD` for a day, `YYYY-MM` for a
+/// month, as `period` writes them; None for anything else.
+fn first_day_of_label(per: Per, label: &[u8]) -> Option<Date> {
+    let number = |digits: &[u8]| -> Option<i16> {
+        digits.iter().try_fold(0i16, |n, &d| {
+            d.is_ascii_digit().then(|| n * 10 + i16::from(d - b'0'))
+        })
+    };
+    let (year, month, day) = match (per, label) {
+        (Per::Day, [y @ .., b'-', m1, m2, b'-', d1, d2]) if y.len() == 4 => {
+            (number(y)?, number(&[*m1, *m2])?, number(&[*d1, *d2])?)
+        }
+        (Per::Month, [y @ .., b'-', m1, m2]) if y.len() == 4 => {
+            (number(y)?, number(&[*m1, *m2])?, 1)
+        }
+        _ => return None,
+    };
+    Date::new(year, i8::try_from(month).ok()?, i8::try_from(day).ok()?).ok()
+}
+
+/// The period of kind `per` that contains `day` in `zone`.
+fn period_of_day(per: Per, zone: &TimeZone, today: Date) -> Option<Period> {
     let (first_day, next_first_day) = match per {
         Per::Day => (today, today.tomorrow().ok()?),
         Per::Month => (
@@ -351,6 +397,53 @@ mod tests {
         );
         let p = period(Per::Month, &berlin, micros("UTC", 2026, 11, 30, 23, 30)).unwrap();
         assert_eq!(p.label.as_str(), "2026-12", "already December in Berlin");
+    }
+
+    #[test]
+    fn a_stored_later_period_is_counted_into_never_an_earlier_one() {
+        let berlin = jiff::tz::db().get("Europe/Berlin").unwrap();
+        // The clock says 23:59 on 2026-11-30 in Berlin; the key already holds December.
+        let now = micros("Europe/Berlin", 2026, 11, 30, 23, 59);
+        let p = counting_period(Per::Month, &berlin, now, Some(b"2026-12")).unwrap();
+        assert_eq!(
+            p,
+            period(Per::Month, &berlin, micros("UTC", 2026, 12, 15, 0, 0)).unwrap()
+        );
+        assert_eq!(p.end, micros("Europe/Berlin", 2027, 1, 1, 0, 0) / 1_000_000);
+        let p = counting_period(Per::Day, &berlin, now, Some(b"2026-12-01")).unwrap();
+        assert_eq!(p.label.as_str(), "2026-12-01");
+        assert_eq!(
+            p.end,
+            micros("Europe/Berlin", 2026, 12, 2, 0, 0) / 1_000_000
+        );
+        // An earlier, the same, or an unreadable label: the clock's period.
+        let current = period(Per::Day, &berlin, now).unwrap();
+        for stored in [
+            None,
+            Some(&b"2026-11-29"[..]),
+            Some(b"2026-11-30"),
+            Some(b"2026-12"),
+            Some(b"2026-13-01"),
+            Some(b"2026-02-30"),
+            Some(b"+026-12-01"),
+            Some(b"2026-12-01 "),
+            Some(b"later"),
+            Some(b""),
+        ] {
+            assert_eq!(
+                counting_period(Per::Day, &berlin, now, stored),
+                Some(current),
+                "{stored:?}"
+            );
+        }
+        let current = period(Per::Month, &berlin, now).unwrap();
+        for stored in [&b"2026-10"[..], b"2026-11", b"2026-12-01", b"2026-1"] {
+            assert_eq!(
+                counting_period(Per::Month, &berlin, now, Some(stored)),
+                Some(current),
+                "{stored:?}"
+            );
+        }
     }
 
     #[test]

@@ -414,3 +414,28 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .unwrap_or_else(|e| panic!("round {round}, call {i}: {e}"));
     }
 }
+
+/// A primary with the module and a linked replica without it.
+pub fn primary_and_replica() -> (Server, Server) {
+    let primary = Server::start(&ServerOptions::default());
+    let replica = Server::start(&ServerOptions {
+        without_module: true,
+        replica_of: Some(primary.port),
+        ..Default::default()
+    });
+    let mut r = replica.client().get_connection().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let info: String = cmd("INFO").arg("replication").query(&mut r).unwrap();
+        if info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica never linked:\n{}",
+            replica.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (primary, replica)
+}

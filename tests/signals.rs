@@ -1,0 +1,346 @@
+//! A refusal is not a write: every command path that writes nothing leaves other
+//! clients' WATCH, client-side-caching tracking and keyspace events alone, as plain
+//! commands that change nothing do; every real write still signals. And the keyspace
+//! events a command fires are exactly those its replicated plain commands fire.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn send(con: &mut Connection, words: &[&str]) -> redis::RedisResult<Value> {
+    let mut c = cmd(words[0]);
+    for w in &words[1..] {
+        c.arg(*w);
+    }
+    c.query(con)
+}
+
+fn run(con: &mut Connection, words: &[&str]) -> Value {
+    send(con, words).unwrap_or_else(|e| panic!("{}: {e}", words.join(" ")))
+}
+
+/// Whether a transaction that WATCHed `keys` still commits after `action` ran on
+/// another connection (whether the action succeeded or was refused with an error).
+fn watch_survives(t: &Target, keys: &[&str], action: &[&str]) -> bool {
+    let mut watcher = t.con();
+    let mut other = t.con();
+    let mut watch = cmd("WATCH");
+    for k in keys {
+        watch.arg(*k);
+    }
+    let _: () = watch.query(&mut watcher).unwrap();
+    let _ = send(&mut other, action);
+    let _: () = cmd("MULTI").query(&mut watcher).unwrap();
+    let _: String = cmd("PING").query(&mut watcher).unwrap();
+    let exec: Value = cmd("EXEC").query(&mut watcher).unwrap();
+    exec != Value::Nil
+}
+
+#[test]
+fn refusals_and_no_ops_leave_watch_alone_and_real_writes_abort_it() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let slots = t.key("slots");
+    let gone = t.key("gone");
+    run(&mut con, &["QAG.LEASE", &slots, "1", "100000", "a"]);
+
+    // Writes nothing: a transaction watching the key still commits.
+    for action in [
+        vec!["QAG.LEASE", &slots, "1", "1000", "b"],
+        vec!["QAG.RENEW", &slots, "b", "1000"],
+        vec!["QAG.RELEASE", &slots, "b"],
+        vec!["QAG.RELEASE", &gone, "b"],
+        vec!["QAG.LEASES", &slots],
+    ] {
+        assert!(
+            watch_survives(&t, &[&slots, &gone], &action),
+            "{action:?} aborted a WATCH"
+        );
+    }
+    // A real write aborts it.
+    assert!(!watch_survives(
+        &t,
+        &[&slots],
+        &["QAG.RENEW", &slots, "a", "100000"]
+    ));
+    assert!(!watch_survives(
+        &t,
+        &[&slots],
+        &["QAG.RELEASE", &slots, "a"]
+    ));
+    assert!(!watch_survives(
+        &t,
+        &[&slots],
+        &["QAG.LEASE", &slots, "1", "1000", "b"]
+    ));
+
+    // A refused admission: every scope of the chain, a missing one included.
+    let (org, team, key) = (t.key("{w}org"), t.key("{w}team"), t.key("{w}key"));
+    run(&mut con, &["QAG.ADMIT", "1", &team, "1", "0"]);
+    let refused = [
+        "QAG.ADMIT",
+        "3",
+        &org,
+        "100",
+        "0",
+        &team,
+        "1",
+        "0",
+        &key,
+        "5",
+        "0",
+    ];
+    run(&mut con, &refused);
+    assert!(watch_survives(&t, &[&org, &team, &key], &refused));
+    let admitted = ["QAG.ADMIT", "2", &org, "100", "0", &key, "5", "0"];
+    assert!(!watch_survives(&t, &[&key], &admitted));
+    // RECORD refused for overflow charges nothing.
+    run(&mut con, &["QAG.RECORD", "1", &org, "9223372036854775000"]);
+    let overflow = ["QAG.RECORD", "2", &key, &org, "1000"];
+    assert!(send(&mut con, &overflow).is_err(), "overflow refused");
+    assert!(watch_survives(
+        &t,
+        &[&org, &key],
+        &["QAG.RECORD", "2", &key, &org, "1000"]
+    ));
+
+    // Quotas: the check, and an ADD refused for overflow.
+    let quota = t.key("quota");
+    let per = ["PER", "month", "TZ", "UTC"];
+    let add = |calls: &'static str| {
+        let mut words = vec!["QAG.QUOTA.ADD", quota.as_str()];
+        words.extend(per);
+        words.extend(["CALLS", calls]);
+        words
+    };
+    run(&mut con, &add("9223372036854775807"));
+    assert!(send(&mut con, &add("1")).is_err(), "overflow refused");
+    assert!(watch_survives(&t, &[&quota], &add("1")));
+    let mut check = vec!["QAG.QUOTA", quota.as_str()];
+    check.extend(per);
+    check.extend(["CALLS", "5"]);
+    assert!(watch_survives(&t, &[&quota], &check));
+    assert!(!watch_survives(&t, &[&quota], &add("0")));
+
+    // Buckets: PEEK; TAKE2's key bucket when the client bucket refuses. TAKE writes
+    // even when it refuses, as the script does.
+    let (client, bucket) = (t.key("{b}client"), t.key("{b}key"));
+    run(&mut con, &["QAG.TAKE", &bucket, "5", "60"]);
+    assert!(watch_survives(
+        &t,
+        &[&bucket],
+        &["QAG.PEEK", &bucket, "5", "60"]
+    ));
+    run(&mut con, &["QAG.TAKE", &client, "1", "60"]);
+    let take2 = ["QAG.TAKE2", &client, "1", "60", &bucket, "5", "60"];
+    assert!(watch_survives(&t, &[&bucket], &take2));
+    assert!(!watch_survives(&t, &[&client], &take2));
+    t.assert_healthy();
+}
+
+#[test]
+fn a_refused_take2_leaves_the_key_buckets_idle_time_alone() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let (client, bucket) = (t.key("{i}client"), t.key("{i}key"));
+    run(&mut con, &["QAG.TAKE", &client, "1", "600"]);
+    run(&mut con, &["QAG.TAKE", &bucket, "5", "600"]);
+    // The server's LRU clock ticks in seconds.
+    std::thread::sleep(Duration::from_millis(2200));
+    let reply = run(
+        &mut con,
+        &["QAG.TAKE2", &client, "1", "600", &bucket, "5", "600"],
+    );
+    let Value::Array(pair) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(pair[1], Value::Nil, "the client bucket refused");
+    let idle: i64 = cmd("OBJECT")
+        .arg("IDLETIME")
+        .arg(&bucket)
+        .query(&mut con)
+        .unwrap();
+    assert!(idle >= 2, "the key bucket was touched: idle {idle} s");
+    t.assert_healthy();
+}
+
+/// Reads pub/sub messages until `last` arrives; returns (channel, payload) pairs.
+fn messages_until(
+    pubsub: &mut redis::PubSub,
+    last: impl Fn(&str, &[String]) -> bool,
+) -> Vec<(String, Vec<String>)> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut seen = Vec::new();
+    while Instant::now() < deadline {
+        let Ok(message) = pubsub.get_message() else {
+            continue;
+        };
+        let channel = message.get_channel_name().to_string();
+        let payload = match message.get_payload::<Vec<String>>() {
+            Ok(keys) => keys,
+            Err(_) => vec![message.get_payload::<String>().unwrap_or_default()],
+        };
+        let done = last(&channel, &payload);
+        seen.push((channel, payload));
+        if done {
+            return seen;
+        }
+    }
+    panic!("the closing message never came; saw {seen:?}");
+}
+
+#[test]
+fn client_tracking_is_invalidated_by_writes_only() {
+    let mut t = Target::new();
+    let mut listener = t.con();
+    let client_id: i64 = cmd("CLIENT").arg("ID").query(&mut listener).unwrap();
+    listener
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut pubsub = listener.as_pubsub();
+    pubsub.subscribe("__redis__:invalidate").unwrap();
+
+    let mut reader = t.con();
+    let mut writer = t.con();
+    let slots = t.key("tracked-slots");
+    let marker = t.key("tracked-marker");
+    run(&mut writer, &["QAG.LEASE", &slots, "1", "100000", "a"]);
+    run(&mut writer, &["SET", &marker, "0"]);
+    let id = client_id.to_string();
+    run(&mut reader, &["CLIENT", "TRACKING", "ON", "REDIRECT", &id]);
+    run(&mut reader, &["ZCARD", &slots]);
+    run(&mut reader, &["GET", &marker]);
+
+    run(&mut writer, &["QAG.LEASE", &slots, "1", "1000", "b"]);
+    run(&mut writer, &["QAG.RENEW", &slots, "b", "1000"]);
+    run(&mut writer, &["QAG.RELEASE", &slots, "b"]);
+    run(&mut writer, &["SET", &marker, "1"]);
+    let seen = messages_until(&mut pubsub, |_, keys| keys.contains(&marker));
+    assert_eq!(
+        seen,
+        [("__redis__:invalidate".to_string(), vec![marker.clone()])],
+        "a refusal or no-op invalidated a key"
+    );
+    // A real write invalidates.
+    run(&mut writer, &["QAG.RELEASE", &slots, "a"]);
+    let seen = messages_until(&mut pubsub, |_, keys| keys.contains(&slots));
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    t.assert_healthy();
+}
+
+/// Every keyspace event of database 0, as (event, key), until `SET <end>`.
+fn key_events(pubsub: &mut redis::PubSub, end: &str) -> Vec<(String, String)> {
+    messages_until(pubsub, |channel, payload| {
+        channel.ends_with(":set") && payload == [end.to_string()]
+    })
+    .into_iter()
+    .map(|(channel, payload)| {
+        let event = channel.rsplit(':').next().unwrap_or_default().to_string();
+        (event, payload.concat())
+    })
+    .collect()
+}
+
+fn subscribe_to_key_events(server: &Server) -> redis::Connection {
+    let mut con = server.client().get_connection().unwrap();
+    run(
+        &mut con,
+        &["CONFIG", "SET", "notify-keyspace-events", "KEA"],
+    );
+    con.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    con
+}
+
+#[test]
+fn keyspace_events_are_those_of_the_replicated_plain_commands() {
+    if external("keyspace_events_are_those_of_the_replicated_plain_commands") {
+        return;
+    }
+    let (primary, replica) = primary_and_replica();
+    let mut con = primary.client().get_connection().unwrap();
+
+    let mut primary_events = subscribe_to_key_events(&primary);
+    let mut replica_events = subscribe_to_key_events(&replica);
+    let mut primary_sub = primary_events.as_pubsub();
+    let mut replica_sub = replica_events.as_pubsub();
+    primary_sub.psubscribe("__keyevent@0__:*").unwrap();
+    replica_sub.psubscribe("__keyevent@0__:*").unwrap();
+
+    let (s, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+    let past = ((s - 100) * 1000).to_string();
+    for words in [
+        // The last lease released: zrem, then del.
+        &["QAG.LEASE", "ls", "2", "100000", "a"][..],
+        &["QAG.LEASE", "ls", "2", "100000", "b"],
+        &["QAG.LEASE", "ls", "2", "100000", "c"],
+        &["QAG.RELEASE", "ls", "a"],
+        &["QAG.RELEASE", "ls", "b"],
+        &["QAG.RELEASE", "ls", "b"],
+        // Expired members removed by a LEASE empty the set before it adds: zrem, del,
+        // zadd, as the replica's ZREM and ZADD fire.
+        &["ZADD", "old", &past, "x", &past, "y"],
+        &["QAG.LEASE", "old", "1", "100000", "a"],
+        // RELEASE of an expired lease with the set emptied by it.
+        &["ZADD", "stale", &past, "x"],
+        &["QAG.RELEASE", "stale", "x"],
+        &["QAG.RENEW", "stale", "x", "1000"],
+        // Buckets, pairs, quotas, windows, refusals among them.
+        &["QAG.TAKE", "b", "1", "60"],
+        &["QAG.TAKE", "b", "1", "60"],
+        &["QAG.TAKE2", "b", "1", "60", "k", "5", "60"],
+        &["QAG.TAKE2", "c", "1", "60", "k", "5", "60"],
+        &["QAG.PEEK", "k", "5", "60"],
+        &[
+            "QAG.QUOTA.ADD",
+            "q",
+            "PER",
+            "day",
+            "TZ",
+            "UTC",
+            "CALLS",
+            "1",
+        ],
+        &[
+            "QAG.QUOTA.SEED",
+            "q",
+            "PER",
+            "day",
+            "TZ",
+            "UTC",
+            "CALLS",
+            "10",
+        ],
+        &["QAG.QUOTA", "q", "PER", "day", "TZ", "UTC", "CALLS", "5"],
+        &["HSET", "w", "req:1", "4", "tok:2", "9"],
+        &["QAG.ADMIT", "2", "w", "10", "0", "w2", "1", "0"],
+        &["QAG.ADMIT", "2", "w", "10", "0", "w2", "1", "0"],
+        &["QAG.RECORD", "2", "w", "w2", "50"],
+        &["SET", "end", "1"],
+    ] {
+        let _: Value = {
+            let mut c = cmd(words[0]);
+            for w in &words[1..] {
+                c.arg(*w);
+            }
+            c.query(&mut con)
+                .unwrap_or_else(|e| panic!("{words:?}: {e}"))
+        };
+    }
+    let on_primary = key_events(&mut primary_sub, "end");
+    let on_replica = key_events(&mut replica_sub, "end");
+    assert_eq!(on_primary, on_replica);
+    let pair = |event: &str, key: &str| (event.to_string(), key.to_string());
+    let ls: Vec<_> = on_primary.iter().filter(|(_, k)| k == "ls").collect();
+    assert_eq!(
+        ls.last().copied(),
+        Some(&pair("del", "ls")),
+        "the last release deletes: {ls:?}"
+    );
+    for key in ["old", "stale"] {
+        assert!(on_primary.contains(&pair("del", key)), "{on_primary:?}");
+    }
+    drop((replica, primary));
+}
