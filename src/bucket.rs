@@ -4,11 +4,12 @@
 use std::ffi::CStr;
 
 use qag_core::args::ArgList;
-use qag_core::bucket::{self, State, Take as Outcome, TakeArgs};
+use qag_core::bucket::{self, State, Take as Outcome, TakeArgs, Verdict};
 use qag_core::number::format_number;
 
-use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
+use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY};
 
 static TOKENS: FieldName = FieldName::new("tokens");
 static TS: FieldName = FieldName::new("ts");
@@ -69,6 +70,18 @@ impl<'a> Bucket<'a> {
     }
 }
 
+/// `count period`, then the trailing `[COST n]`: TAKE's and PEEK's arguments.
+const TAKE_ARGS: &[Arg] = &[
+    Arg::key(c"key", 0),
+    Arg::integer(c"count"),
+    Arg::double(c"period"),
+    Arg::integer(c"cost").token(c"COST").optional(),
+];
+
+static TAKE: CallCounters = CallCounters::new();
+static TAKE_PAIR: CallCounters = CallCounters::new();
+static PEEK: CallCounters = CallCounters::new();
+
 /// QAG.TAKE key count period [COST n]
 pub struct Take;
 
@@ -81,6 +94,9 @@ impl Command for Take {
     const SUMMARY: &'static CStr =
         c"Takes tokens from a token bucket; replies [allowed, tokens left, retry after seconds]";
     const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = TAKE_ARGS;
+    const COUNTERS: &'static CallCounters = &TAKE;
+    const OUTCOMES: &'static [&'static str] = &["allowed", "refused"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let take = bucket::parse_take(args)?;
@@ -88,6 +104,11 @@ impl Command for Take {
         let now = ctx.now_micros();
         let outcome = bucket.take(now);
         bucket.write(ctx, &outcome, now);
+        TAKE.decided(if outcome.verdict.allowed {
+            ALLOWED
+        } else {
+            REFUSED
+        });
         Ok(Reply::Array(outcome.verdict.as_reply().into()))
     }
 }
@@ -104,19 +125,46 @@ impl Command for TakePair {
     const SUMMARY: &'static CStr =
         c"Takes from a client bucket, then, only if it allowed, from a key bucket; replies both TAKE replies";
     const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = &[
+        Arg::key(c"ckey", 0),
+        Arg::integer(c"ccount"),
+        Arg::double(c"cperiod"),
+        Arg::key(c"kkey", 1),
+        Arg::integer(c"kcount"),
+        Arg::double(c"kperiod"),
+        Arg::integer(c"cost").token(c"COST").optional(),
+    ];
+    const COUNTERS: &'static CallCounters = &TAKE_PAIR;
+    const OUTCOMES: &'static [&'static str] = &["allowed", "refused_client", "refused_key"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let (client, key) = Self::take_both(ctx, args)?;
+        TAKE_PAIR.decided(match key {
+            None => REFUSED,
+            Some(key) if !key.allowed => REFUSED_KEY,
+            Some(_) => ALLOWED,
+        });
+        Ok(Reply::Pair(
+            client.as_reply().into(),
+            key.map(|key| key.as_reply().into()),
+        ))
+    }
+}
+
+impl TakePair {
+    /// The client bucket's verdict, and the key bucket's when it was counted.
+    fn take_both(ctx: &Ctx, args: &RawArgs) -> Result<(Verdict, Option<Verdict>), CommandError> {
         let pair = bucket::parse_take_pair(args)?;
         let now = ctx.now_micros();
         let mut client = Bucket::open(ctx, args, &pair.client, Access::ReadWrite)?;
         let client_outcome = client.take(now);
-        let client_reply = client_outcome.verdict.as_reply().into();
+        let client_verdict = client_outcome.verdict;
 
         if args.get(pair.client.key) == args.get(pair.key.key) {
             // One key as both buckets: the script run twice on it, through one handle.
             client.write(ctx, &client_outcome, now);
-            if !client_outcome.verdict.allowed {
-                return Ok(Reply::Pair(client_reply, None));
+            if !client_verdict.allowed {
+                return Ok((client_verdict, None));
             }
             let mut again = Bucket {
                 args: &pair.key,
@@ -124,27 +172,21 @@ impl Command for TakePair {
             };
             let outcome = again.take(now);
             again.write(ctx, &outcome, now);
-            return Ok(Reply::Pair(
-                client_reply,
-                Some(outcome.verdict.as_reply().into()),
-            ));
+            return Ok((client_verdict, Some(outcome.verdict)));
         }
 
-        if !client_outcome.verdict.allowed {
+        if !client_verdict.allowed {
             // The key bucket is not counted, only type-checked: no write, no touch.
             Bucket::open(ctx, args, &pair.key, Access::ReadUntouched)?;
             client.write(ctx, &client_outcome, now);
-            return Ok(Reply::Pair(client_reply, None));
+            return Ok((client_verdict, None));
         }
         // Both keys are open and of the right type before either is written.
         let mut key = Bucket::open(ctx, args, &pair.key, Access::ReadWrite)?;
         let key_outcome = key.take(now);
         client.write(ctx, &client_outcome, now);
         key.write(ctx, &key_outcome, now);
-        Ok(Reply::Pair(
-            client_reply,
-            Some(key_outcome.verdict.as_reply().into()),
-        ))
+        Ok((client_verdict, Some(key_outcome.verdict)))
     }
 }
 
@@ -160,6 +202,8 @@ impl Command for Peek {
     const SUMMARY: &'static CStr =
         c"Replies what QAG.TAKE would reply now, without changing the bucket";
     const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = TAKE_ARGS;
+    const COUNTERS: &'static CallCounters = &PEEK;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let peek = bucket::parse_take(args)?;

@@ -12,6 +12,7 @@ use redis_module::commands::{get_redis_key_spec, BeginSearch, FindKeys, KeySpec,
 use redis_module::raw;
 
 use crate::key::RawString;
+use crate::stats::{self, CallCounters};
 
 /// The context of one command call.
 pub struct Ctx(*mut raw::RedisModuleCtx);
@@ -94,6 +95,171 @@ impl KeyLayout {
     }
 }
 
+/// One argument of a command, as COMMAND DOCS shows it (and redis-cli's hints).
+#[derive(Clone, Copy)]
+pub struct Arg {
+    name: &'static CStr,
+    kind: ArgKind,
+    /// The word that comes before the value, e.g. `COST`.
+    token: Option<&'static CStr>,
+    optional: bool,
+    multiple: bool,
+}
+
+#[derive(Clone, Copy)]
+enum ArgKind {
+    /// A key, found by the key spec of this index.
+    Key(c_int),
+    Integer,
+    Double,
+    String,
+    /// A word alone, e.g. `day`.
+    PureToken,
+    /// Exactly one of these.
+    OneOf(&'static [Arg]),
+    /// These, in order, as one unit (e.g. an ADMIT scope: key rpm tpm).
+    Block(&'static [Arg]),
+}
+
+impl Arg {
+    const fn new(name: &'static CStr, kind: ArgKind) -> Arg {
+        Arg {
+            name,
+            kind,
+            token: None,
+            optional: false,
+            multiple: false,
+        }
+    }
+
+    pub const fn key(name: &'static CStr, key_spec: c_int) -> Arg {
+        Arg::new(name, ArgKind::Key(key_spec))
+    }
+
+    pub const fn integer(name: &'static CStr) -> Arg {
+        Arg::new(name, ArgKind::Integer)
+    }
+
+    pub const fn double(name: &'static CStr) -> Arg {
+        Arg::new(name, ArgKind::Double)
+    }
+
+    pub const fn string(name: &'static CStr) -> Arg {
+        Arg::new(name, ArgKind::String)
+    }
+
+    /// A word alone, e.g. `day`: its name is its token.
+    pub const fn word(name: &'static CStr) -> Arg {
+        Arg::new(name, ArgKind::PureToken).token(name)
+    }
+
+    pub const fn one_of(name: &'static CStr, choices: &'static [Arg]) -> Arg {
+        Arg::new(name, ArgKind::OneOf(choices))
+    }
+
+    pub const fn block(name: &'static CStr, parts: &'static [Arg]) -> Arg {
+        Arg::new(name, ArgKind::Block(parts))
+    }
+
+    pub const fn token(self, token: &'static CStr) -> Arg {
+        Arg {
+            token: Some(token),
+            ..self
+        }
+    }
+
+    pub const fn optional(self) -> Arg {
+        Arg {
+            optional: true,
+            ..self
+        }
+    }
+
+    pub const fn multiple(self) -> Arg {
+        Arg {
+            multiple: true,
+            ..self
+        }
+    }
+}
+
+/// `args` as the server's argument table: NULL-name terminated arrays, nested ones kept
+/// alive in `arena` until the server has copied them.
+fn raw_args(
+    args: &[Arg],
+    arena: &mut Vec<Vec<raw::RedisModuleCommandArg>>,
+) -> *mut raw::RedisModuleCommandArg {
+    let mut table: Vec<raw::RedisModuleCommandArg> = args
+        .iter()
+        .map(|arg| {
+            let (type_, key_spec_index, subargs) = match arg.kind {
+                ArgKind::Key(spec) => (
+                    raw::RedisModuleCommandArgType_REDISMODULE_ARG_TYPE_KEY,
+                    spec,
+                    ptr::null_mut(),
+                ),
+                ArgKind::Integer => (
+                    raw::RedisModuleCommandArgType_REDISMODULE_ARG_TYPE_INTEGER,
+                    -1,
+                    ptr::null_mut(),
+                ),
+                ArgKind::Double => (
+                    raw::RedisModuleCommandArgType_REDISMODULE_ARG_TYPE_DOUBLE,
+                    -1,
+                    ptr::null_mut(),
+                ),
+                ArgKind::String => (
+                    raw::RedisModuleCommandArgType_REDISMODULE_ARG_TYPE_STRING,
+                    -1,
+                    ptr::null_mut(),
+                ),
+                ArgKind::PureToken => (
+                    raw::RedisModuleCommandArgType_REDISMODULE_ARG_TYPE_PURE_TOKEN,
+                    -1,
+                    ptr::null_mut(),
+                ),
+                ArgKind::OneOf(choices) => (
+                    raw::RedisModuleCommandArgType_REDISMODULE_ARG_TYPE_ONEOF,
+                    -1,
+                    raw_args(choices, arena),
+                ),
+                ArgKind::Block(parts) => (
+                    raw::RedisModuleCommandArgType_REDISMODULE_ARG_TYPE_BLOCK,
+                    -1,
+                    raw_args(parts, arena),
+                ),
+            };
+            let flags = if arg.optional {
+                raw::REDISMODULE_CMD_ARG_OPTIONAL
+            } else {
+                0
+            } | if arg.multiple {
+                raw::REDISMODULE_CMD_ARG_MULTIPLE
+            } else {
+                0
+            };
+            raw::RedisModuleCommandArg {
+                name: arg.name.as_ptr(),
+                type_,
+                key_spec_index,
+                token: arg.token.map_or(ptr::null(), CStr::as_ptr),
+                summary: ptr::null(),
+                since: ptr::null(),
+                flags: flags as c_int,
+                deprecated_since: ptr::null(),
+                subargs,
+                display_text: ptr::null(),
+            }
+        })
+        .collect();
+    // SAFETY: an all-zero entry (NULL name) is the table's end, as the server expects.
+    table.push(unsafe { std::mem::zeroed() });
+    let start = table.as_mut_ptr();
+    // Moving the Vec into the arena keeps its heap buffer, and so `start`, valid.
+    arena.push(table);
+    start
+}
+
 /// A qag command.
 pub trait Command {
     /// The name clients call, in lower case as Redis lists commands.
@@ -106,6 +272,13 @@ pub trait Command {
     const WRITES: bool;
     const SUMMARY: &'static CStr;
     const COMPLEXITY: &'static CStr;
+    /// The arguments after the command name, for COMMAND DOCS.
+    const ARGS: &'static [Arg];
+    /// Calls, error replies and outcomes, shown in INFO.
+    const COUNTERS: &'static CallCounters;
+    /// The outcomes the command counts in `COUNTERS`, by index (e.g. `allowed`,
+    /// `refused`); none for a command that does not decide.
+    const OUTCOMES: &'static [&'static str] = &[];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError>;
 }
@@ -151,7 +324,7 @@ impl Ctx {
 
     /// The server's wall clock in microseconds since the Unix epoch: the time cached
     /// for this command where the server offers it (7.2 and later), else
-    /// CLOCK_REALTIME, the clock TIME reads.
+    /// CLOCK_REALTIME, the clock TIME reads (`clock_name` says which).
     pub fn now_micros(&self) -> i64 {
         // SAFETY: the API table is filled in at load and never changes afterwards.
         if let Some(cached) = unsafe { raw::RedisModule_CachedMicroseconds } {
@@ -272,7 +445,12 @@ pub extern "C" fn invoke<C: Command>(
         ctx.declare_keys(&args, &C::KEYS);
         return raw::REDISMODULE_OK as c_int;
     }
-    match catch_unwind(AssertUnwindSafe(|| C::run(&ctx, &args))) {
+    C::COUNTERS.called();
+    let result = catch_unwind(AssertUnwindSafe(|| C::run(&ctx, &args)));
+    if !matches!(result, Ok(Ok(_))) {
+        C::COUNTERS.erred();
+    }
+    match result {
         Ok(Ok(reply)) => ctx.reply(reply),
         Ok(Err(CommandError::Arg(ArgError::Arity))) => {
             let name = C::NAME.to_string_lossy();
@@ -288,6 +466,15 @@ pub extern "C" fn invoke<C: Command>(
         Err(_) => ctx.reply_error("ERR qag internal error; the command was aborted"),
     }
     raw::REDISMODULE_OK as c_int
+}
+
+/// Which clock `Ctx::now_micros` reads on this server, for the load log and INFO.
+pub fn clock_name() -> &'static CStr {
+    // SAFETY: reading the API table filled in at load.
+    match unsafe { raw::RedisModule_CachedMicroseconds }.is_some() {
+        true => c"RedisModule_CachedMicroseconds",
+        false => c"clock_gettime(CLOCK_REALTIME)",
+    }
 }
 
 /// The most keys a counted layout declares.
@@ -307,6 +494,8 @@ const COMMAND_INFO_VERSION: raw::RedisModuleCommandInfoVersion =
 pub struct Features {
     pub command_info: bool,
     pub acl_categories: bool,
+    /// Whether the commands are in the ACL category `qag` (Redis 7.4 and later).
+    pub qag_category: bool,
 }
 
 /// Registers command `C`: its flags and first/last/step keys everywhere, and key specs,
@@ -316,6 +505,7 @@ pub fn register<C: Command>(
     features: &mut Features,
 ) -> Result<(), String> {
     let name = C::NAME.to_string_lossy();
+    stats::show(C::NAME, C::COUNTERS, C::OUTCOMES)?;
     // A counted layout has no fixed range: the command answers key lookups itself.
     let (first, last, step) = match C::KEYS {
         KeyLayout::Single => (1, 1, 1),
@@ -346,6 +536,7 @@ pub fn register<C: Command>(
     let (Some(get_command), Some(set_info)) = (unsafe { raw::RedisModule_GetCommand }, unsafe {
         raw::RedisModule_SetCommandInfo
     }) else {
+        features.qag_category = false;
         return Ok(());
     };
     let command = unsafe { get_command(ctx, C::NAME.as_ptr()) };
@@ -355,16 +546,22 @@ pub fn register<C: Command>(
     // Modules' commands get no ACL categories from their flags; where the server lets a
     // module set them (7.2 and later), put each where its flags say it belongs.
     if let Some(set_categories) = unsafe { raw::RedisModule_SetCommandACLCategories } {
-        let categories = if C::WRITES {
-            c"write fast"
-        } else {
-            c"read fast"
+        let (plain, with_qag) = match C::WRITES {
+            true => (c"write fast", c"write fast qag"),
+            false => (c"read fast", c"read fast qag"),
         };
-        // SAFETY: a command of this module and a C string.
-        if unsafe { set_categories(command, categories.as_ptr()) } != raw::REDISMODULE_OK as c_int {
+        // SAFETY: a command of this module and C strings.
+        let set = |categories: &CStr| unsafe { set_categories(command, categories.as_ptr()) };
+        if features.qag_category && set(with_qag) != raw::REDISMODULE_OK as c_int {
+            // The server has no category `qag` after all: grant by name.
+            features.qag_category = false;
+        }
+        if !features.qag_category && set(plain) != raw::REDISMODULE_OK as c_int {
             return Err(format!("could not set the ACL categories of {name}"));
         }
         features.acl_categories = true;
+    } else {
+        features.qag_category = false;
     }
     let flag_bits = if C::WRITES {
         (KeySpecFlags::READ_WRITE | KeySpecFlags::ACCESS | KeySpecFlags::UPDATE).bits()
@@ -393,6 +590,7 @@ pub fn register<C: Command>(
             .map(|(pos, find)| KeySpec::new(None, flags(), BeginSearch::new_index(pos), find))
             .collect(),
     );
+    let mut arena = Vec::new();
     let info = raw::RedisModuleCommandInfo {
         version: &COMMAND_INFO_VERSION,
         summary: C::SUMMARY.as_ptr(),
@@ -402,7 +600,7 @@ pub fn register<C: Command>(
         tips: ptr::null(),
         arity: C::ARITY,
         key_specs: key_specs.as_mut_ptr(),
-        args: ptr::null_mut(),
+        args: raw_args(C::ARGS, &mut arena),
     };
     // SAFETY: `info` and what it points to outlive the call; Redis copies it.
     if unsafe { set_info(command, &info) } != raw::REDISMODULE_OK as c_int {

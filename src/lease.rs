@@ -6,8 +6,9 @@ use std::ffi::CStr;
 
 use qag_core::lease::{self, Acquire};
 
-use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, OwnedString, RawString, ValueType};
+use crate::stats::{CallCounters, ALLOWED, REFUSED};
 
 /// A key's slots, opened for one call at one instant.
 struct Slots<'ctx> {
@@ -66,6 +67,11 @@ fn raw_strings(strings: &[OwnedString]) -> Vec<RawString> {
     strings.iter().map(|s| s.raw).collect()
 }
 
+static LEASE: CallCounters = CallCounters::new();
+static RENEW: CallCounters = CallCounters::new();
+static RELEASE: CallCounters = CallCounters::new();
+static LEASES: CallCounters = CallCounters::new();
+
 /// QAG.LEASE key max ttl_ms id
 pub struct Lease;
 
@@ -78,6 +84,14 @@ impl Command for Lease {
     const SUMMARY: &'static CStr =
         c"Takes (or renews) one of max concurrency slots for a lease id; replies [acquired, live leases, retry after]";
     const COMPLEXITY: &'static CStr = c"O(log N) plus O(log N) per expired lease removed";
+    const ARGS: &'static [Arg] = &[
+        Arg::key(c"key", 0),
+        Arg::integer(c"max"),
+        Arg::integer(c"ttl_ms"),
+        Arg::string(c"id"),
+    ];
+    const COUNTERS: &'static CallCounters = &LEASE;
+    const OUTCOMES: &'static [&'static str] = &["acquired", "refused"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = lease::parse_lease(args)?;
@@ -87,12 +101,14 @@ impl Command for Lease {
         let live = slots.key.len().saturating_sub(expired.len());
         let decision = lease::acquire(call.max, live as u64, slots.holds_live_lease(id));
         if decision == Acquire::Refuse {
+            LEASE.decided(REFUSED);
             return Ok(Reply::Array([0, live as i64, 1].into()));
         }
         slots.key.zset_remove(&raw_strings(&expired));
         slots.put(id, call.ttl_millis);
         slots.expire_with_latest_lease();
         let live_after = live + usize::from(decision == Acquire::Take);
+        LEASE.decided(ALLOWED);
         Ok(Reply::Array([1, live_after as i64, 0].into()))
     }
 }
@@ -109,6 +125,12 @@ impl Command for Renew {
     const SUMMARY: &'static CStr =
         c"Extends a live lease to now + ttl_ms; replies 1, or 0 when the lease is gone";
     const COMPLEXITY: &'static CStr = c"O(log N) plus O(log N) per expired lease removed";
+    const ARGS: &'static [Arg] = &[
+        Arg::key(c"key", 0),
+        Arg::string(c"id"),
+        Arg::integer(c"ttl_ms"),
+    ];
+    const COUNTERS: &'static CallCounters = &RENEW;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = lease::parse_renew(args)?;
@@ -137,6 +159,8 @@ impl Command for Release {
     const SUMMARY: &'static CStr =
         c"Frees a lease's slot; replies 1 if a live lease was released, else 0";
     const COMPLEXITY: &'static CStr = c"O(log N) plus O(log N) per expired lease removed";
+    const ARGS: &'static [Arg] = &[Arg::key(c"key", 0), Arg::string(c"id")];
+    const COUNTERS: &'static CallCounters = &RELEASE;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = lease::parse_release(args)?;
@@ -169,6 +193,8 @@ impl Command for Leases {
     const WRITES: bool = false;
     const SUMMARY: &'static CStr = c"Replies the number of live leases at a key";
     const COMPLEXITY: &'static CStr = c"O(log N) plus O(1) per expired lease";
+    const ARGS: &'static [Arg] = &[Arg::key(c"key", 0)];
+    const COUNTERS: &'static CallCounters = &LEASES;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let key = lease::parse_leases(args)?;

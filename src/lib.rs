@@ -6,12 +6,40 @@ mod command;
 mod key;
 mod lease;
 mod quota;
+mod stats;
 mod testing;
 mod window;
+
+use std::ffi::CStr;
 
 use redis_module::{redis_module, Context, RedisString, Status};
 
 use command::{register, Features};
+
+/// The crate's version, `Cargo.toml`'s, as INFO shows it.
+pub const VERSION: &CStr =
+    match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(version) => version,
+        Err(_) => panic!("the crate version holds a NUL"),
+    };
+
+/// The version MODULE LIST shows: major × 10000 + minor × 100 + patch.
+const MODULE_VERSION: i32 = decimal(env!("CARGO_PKG_VERSION_MAJOR")) * 10_000
+    + decimal(env!("CARGO_PKG_VERSION_MINOR")) * 100
+    + decimal(env!("CARGO_PKG_VERSION_PATCH"));
+
+/// A version part as a number, at compile time.
+const fn decimal(digits: &str) -> i32 {
+    let digits = digits.as_bytes();
+    let mut value = 0;
+    let mut i = 0;
+    while i < digits.len() {
+        assert!(digits[i].is_ascii_digit(), "a version part is not a number");
+        value = value * 10 + (digits[i] - b'0') as i32;
+        i += 1;
+    }
+    value
+}
 
 /// The server API entries the commands call without checking (the optional ones,
 /// clock, key specs and ACL categories, are checked where used). A server without one
@@ -35,6 +63,15 @@ fn missing_api() -> Option<&'static str> {
             ("FreeString", { RedisModule_FreeString }.is_some()),
             ("HashGet", { RedisModule_HashGet }.is_some()),
             ("HashSet", { RedisModule_HashSet }.is_some()),
+            ("InfoAddSection", { RedisModule_InfoAddSection }.is_some()),
+            (
+                "InfoAddFieldCString",
+                { RedisModule_InfoAddFieldCString }.is_some(),
+            ),
+            (
+                "InfoAddFieldULongLong",
+                { RedisModule_InfoAddFieldULongLong }.is_some(),
+            ),
             (
                 "IsKeysPositionRequest",
                 { RedisModule_IsKeysPositionRequest }.is_some(),
@@ -46,6 +83,10 @@ fn missing_api() -> Option<&'static str> {
                 { RedisModule_NotifyKeyspaceEvent }.is_some(),
             ),
             ("OpenKey", { RedisModule_OpenKey }.is_some()),
+            (
+                "RegisterInfoFunc",
+                { RedisModule_RegisterInfoFunc }.is_some(),
+            ),
             ("Replicate", { RedisModule_Replicate }.is_some()),
             ("ReplyWithArray", { RedisModule_ReplyWithArray }.is_some()),
             ("ReplyWithError", { RedisModule_ReplyWithError }.is_some()),
@@ -119,7 +160,11 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     let test_commands = args
         .iter()
         .any(|a| a.as_slice().eq_ignore_ascii_case(b"TEST-COMMANDS"));
-    let mut features = Features::default();
+    stats::clear();
+    let mut features = Features {
+        qag_category: add_acl_category(ctx),
+        ..Features::default()
+    };
     let registered = register::<bucket::Take>(ctx.ctx, &mut features)
         .and_then(|_| register::<bucket::TakePair>(ctx.ctx, &mut features))
         .and_then(|_| register::<bucket::Peek>(ctx.ctx, &mut features))
@@ -140,28 +185,45 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         ctx.log_warning(&format!("qag: {e}"));
         return Status::Err;
     }
-    // SAFETY: reading the API table filled in at load.
-    let cached_clock = unsafe { redis_module::raw::RedisModule_CachedMicroseconds }.is_some();
+    // SAFETY: checked present above; replaces the framework's empty INFO callback.
+    unsafe { redis_module::raw::RedisModule_RegisterInfoFunc.unwrap()(ctx.ctx, Some(stats::info)) };
     let supported = |used: bool, what: &'static str| match used {
         true => what,
         false => "not supported by this server",
     };
     ctx.log_notice(&format!(
-        "qag {} loaded: key specs and command docs {}, ACL categories {}, clock {}",
-        env!("CARGO_PKG_VERSION"),
+        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, clock {}",
+        VERSION.to_string_lossy(),
         supported(features.command_info, "registered"),
         supported(features.acl_categories, "set"),
-        match cached_clock {
-            true => "RedisModule_CachedMicroseconds",
-            false => "clock_gettime(CLOCK_REALTIME)",
+        match features.qag_category {
+            true => "ACL category @qag added (grant with +@qag)",
+            false => "ACL category @qag not available on this server (grant the qag commands by name)",
         },
+        command::clock_name().to_string_lossy(),
     ));
     Status::Ok
 }
 
+/// Adds the ACL category `qag` where the server lets a module add one (Redis 7.4 and
+/// later). True where the server has categories for modules: adding fails when the
+/// category is left from an earlier load of the module, and then it is there to use;
+/// registration finds out if it is not.
+fn add_acl_category(ctx: &Context) -> bool {
+    // SAFETY: an optional API entry, checked for presence; called during load, the
+    // only time a module may add a category.
+    match unsafe { redis_module::raw::RedisModule_AddACLCategory } {
+        Some(add) => {
+            unsafe { add(ctx.ctx, c"qag".as_ptr()) };
+            true
+        }
+        None => false,
+    }
+}
+
 redis_module! {
     name: "qag",
-    version: 1,
+    version: MODULE_VERSION,
     allocator: (redis_module::alloc::RedisAlloc, redis_module::alloc::RedisAlloc),
     data_types: [],
     init: init,

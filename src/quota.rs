@@ -5,8 +5,9 @@ use std::ffi::CStr;
 
 use qag_core::quota::{self, Period, QuotaArgs, Usage};
 
-use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row};
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
+use crate::stats::{CallCounters, ALLOWED, REFUSED};
 
 static PERIOD: FieldName = FieldName::new("period");
 static CALLS: FieldName = FieldName::new("calls");
@@ -64,6 +65,20 @@ impl<'ctx> Quota<'ctx> {
     }
 }
 
+/// `key PER day|month TZ zone [CALLS n] [ROWS n]`, every command's (in any order after
+/// the key; at least one of CALLS and ROWS).
+const QUOTA_ARGS: &[Arg] = &[
+    Arg::key(c"key", 0),
+    Arg::one_of(c"per", &[Arg::word(c"day"), Arg::word(c"month")]).token(c"PER"),
+    Arg::string(c"zone").token(c"TZ"),
+    Arg::integer(c"calls").token(c"CALLS").optional(),
+    Arg::integer(c"rows").token(c"ROWS").optional(),
+];
+
+static CHECK: CallCounters = CallCounters::new();
+static ADD: CallCounters = CallCounters::new();
+static SEED: CallCounters = CallCounters::new();
+
 /// QAG.QUOTA key PER day|month TZ zone [CALLS limit] [ROWS limit]
 pub struct Check;
 
@@ -76,11 +91,15 @@ impl Command for Check {
     const SUMMARY: &'static CStr =
         c"Checks a calendar quota before a call; replies [allowed, calls remaining, rows remaining, resets at]";
     const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = QUOTA_ARGS;
+    const COUNTERS: &'static CallCounters = &CHECK;
+    const OUTCOMES: &'static [&'static str] = &["allowed", "refused"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
         let quota = Quota::open(ctx, args, &call, Access::Read)?;
         let check = quota::check(quota.usage, call.limits());
+        CHECK.decided(if check.allowed { ALLOWED } else { REFUSED });
         Ok(Reply::Array(Row::new(&[
             Some(i64::from(check.allowed)),
             check.calls_remaining,
@@ -102,6 +121,8 @@ impl Command for Add {
     const SUMMARY: &'static CStr =
         c"Counts a call's calls and rows into the current period; replies [calls used, rows used, resets at]";
     const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = QUOTA_ARGS;
+    const COUNTERS: &'static CallCounters = &ADD;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;
@@ -125,6 +146,8 @@ impl Command for Seed {
     const SUMMARY: &'static CStr =
         c"Raises the current period's counts to at least the seeds; replies [calls used, rows used, resets at]";
     const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = QUOTA_ARGS;
+    const COUNTERS: &'static CallCounters = &SEED;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = quota::parse_quota(args)?;

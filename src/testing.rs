@@ -3,7 +3,10 @@
 
 use std::ffi::CStr;
 
-use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::stats::CallCounters;
+
+static PANIC: CallCounters = CallCounters::new();
 
 /// QAG.TEST.PANIC key: panics inside the command, to show that the guard turns a
 /// panic into an error reply and the server lives on.
@@ -17,6 +20,8 @@ impl Command for Panic {
     const WRITES: bool = false;
     const SUMMARY: &'static CStr = c"Test only: panics, to exercise the panic guard";
     const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = &[Arg::key(c"key", 0)];
+    const COUNTERS: &'static CallCounters = &PANIC;
 
     fn run(_ctx: &Ctx, _args: &RawArgs) -> Result<Reply, CommandError> {
         panic!("QAG.TEST.PANIC was called");

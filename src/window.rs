@@ -7,8 +7,9 @@ use std::ffi::CStr;
 use qag_core::number::stored_count;
 use qag_core::window::{self, Clock, Counters, FieldName, Kind};
 
-use crate::command::{Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, OwnedString, ValueType};
+use crate::stats::{CallCounters, ALLOWED, REFUSED};
 
 /// The call's clock and the field names it reads and writes: the current and previous
 /// windows'. The same for every scope, so made once per call.
@@ -119,6 +120,9 @@ impl Scope {
     }
 }
 
+static ADMIT: CallCounters = CallCounters::new();
+static RECORD: CallCounters = CallCounters::new();
+
 /// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds]
 pub struct Admit;
 
@@ -130,6 +134,21 @@ impl Command for Admit {
     const WRITES: bool = true;
     const SUMMARY: &'static CStr = c"Admits a request only if every scope of a chain is under its requests and tokens per window; replies [admitted, refusing scope, retry after, requests remaining, tokens remaining]";
     const COMPLEXITY: &'static CStr = c"O(N) for N scopes";
+    const ARGS: &'static [Arg] = &[
+        Arg::integer(c"numscopes"),
+        Arg::block(
+            c"scope",
+            &[
+                Arg::key(c"key", 0),
+                Arg::integer(c"rpm"),
+                Arg::integer(c"tpm"),
+            ],
+        )
+        .multiple(),
+        Arg::integer(c"seconds").token(c"WINDOW").optional(),
+    ];
+    const COUNTERS: &'static CallCounters = &ADMIT;
+    const OUTCOMES: &'static [&'static str] = &["allowed", "refused"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_admit(args)?;
@@ -149,6 +168,7 @@ impl Command for Admit {
                 .collect();
             chain.write(ctx, Kind::Requests, requests);
         }
+        ADMIT.decided(if admission.admitted { ALLOWED } else { REFUSED });
         Ok(Reply::Array(admission.as_reply().into()))
     }
 }
@@ -165,6 +185,13 @@ impl Command for Record {
     const SUMMARY: &'static CStr =
         c"Charges a response's tokens to the current window of every scope; replies the number of scopes charged";
     const COMPLEXITY: &'static CStr = c"O(N) for N scopes";
+    const ARGS: &'static [Arg] = &[
+        Arg::integer(c"numscopes"),
+        Arg::key(c"key", 0).multiple(),
+        Arg::integer(c"tokens"),
+        Arg::integer(c"seconds").token(c"WINDOW").optional(),
+    ];
+    const COUNTERS: &'static CallCounters = &RECORD;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_record(args)?;

@@ -32,15 +32,24 @@ fn count(con: &mut Connection, command: &str, key: &str, calls: i64, rows: i64) 
     v.try_into().unwrap()
 }
 
-/// The end of the current UTC month, computed apart from the module.
-fn end_of_month_utc(con: &mut Connection) -> i64 {
+/// The label and end of the UTC month `ahead` months after the server clock's, computed
+/// apart from the module.
+fn month_utc(con: &mut Connection, ahead: usize) -> (String, i64) {
     let (s, _): (i64, i64) = cmd("TIME").query(con).unwrap();
     let now = ZonedDateTime::new(Timestamp::from_second(s).unwrap(), TimeZone::UTC);
-    let next = now.date().last_of_month().tomorrow().unwrap();
-    next.to_zoned_datetime(TimeZone::UTC)
-        .unwrap()
-        .timestamp()
-        .as_second()
+    let mut first = now.date().first_of_month();
+    for _ in 0..ahead {
+        first = first.last_of_month().tomorrow().unwrap();
+    }
+    let end = first.last_of_month().tomorrow().unwrap();
+    let label = format!("{:04}-{:02}", first.year(), first.month());
+    let end = end.to_zoned_datetime(TimeZone::UTC).unwrap();
+    (label, end.timestamp().as_second())
+}
+
+/// The end of the current UTC month.
+fn end_of_month_utc(con: &mut Connection) -> i64 {
+    month_utc(con, 0).1
 }
 
 #[test]
@@ -256,18 +265,7 @@ fn a_later_period_stored_than_the_clocks_is_kept_and_counted_into() {
     let mut con = t.con();
     let key = t.key("ahead");
     // The key holds next month (a clock stepped back across the month's end).
-    let (s, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
-    let now = ZonedDateTime::new(Timestamp::from_second(s).unwrap(), TimeZone::UTC);
-    let next = now.date().last_of_month().tomorrow().unwrap();
-    let label = format!("{:04}-{:02}", next.year(), next.month());
-    let next_end = next
-        .last_of_month()
-        .tomorrow()
-        .unwrap()
-        .to_zoned_datetime(TimeZone::UTC)
-        .unwrap()
-        .timestamp()
-        .as_second();
+    let (label, next_end) = month_utc(&mut con, 1);
     let _: () = cmd("HSET")
         .arg(&key)
         .arg("period")

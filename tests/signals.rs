@@ -9,14 +9,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn send(con: &mut Connection, words: &[&str]) -> redis::RedisResult<Value> {
-    let mut c = cmd(words[0]);
-    for w in &words[1..] {
-        c.arg(*w);
-    }
-    c.query(con)
-}
-
 fn run(con: &mut Connection, words: &[&str]) -> Value {
     send(con, words).unwrap_or_else(|e| panic!("{}: {e}", words.join(" ")))
 }
@@ -271,63 +263,39 @@ fn keyspace_events_are_those_of_the_replicated_plain_commands() {
 
     let (s, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
     let past = ((s - 100) * 1000).to_string();
-    for words in [
+    let workload = [
         // The last lease released: zrem, then del.
-        &["QAG.LEASE", "ls", "2", "100000", "a"][..],
-        &["QAG.LEASE", "ls", "2", "100000", "b"],
-        &["QAG.LEASE", "ls", "2", "100000", "c"],
-        &["QAG.RELEASE", "ls", "a"],
-        &["QAG.RELEASE", "ls", "b"],
-        &["QAG.RELEASE", "ls", "b"],
+        "QAG.LEASE ls 2 100000 a".to_string(),
+        "QAG.LEASE ls 2 100000 b".into(),
+        "QAG.LEASE ls 2 100000 c".into(),
+        "QAG.RELEASE ls a".into(),
+        "QAG.RELEASE ls b".into(),
+        "QAG.RELEASE ls b".into(),
         // Expired members removed by a LEASE empty the set before it adds: zrem, del,
         // zadd, as the replica's ZREM and ZADD fire.
-        &["ZADD", "old", &past, "x", &past, "y"],
-        &["QAG.LEASE", "old", "1", "100000", "a"],
+        format!("ZADD old {past} x {past} y"),
+        "QAG.LEASE old 1 100000 a".into(),
         // RELEASE of an expired lease with the set emptied by it.
-        &["ZADD", "stale", &past, "x"],
-        &["QAG.RELEASE", "stale", "x"],
-        &["QAG.RENEW", "stale", "x", "1000"],
+        format!("ZADD stale {past} x"),
+        "QAG.RELEASE stale x".into(),
+        "QAG.RENEW stale x 1000".into(),
         // Buckets, pairs, quotas, windows, refusals among them.
-        &["QAG.TAKE", "b", "1", "60"],
-        &["QAG.TAKE", "b", "1", "60"],
-        &["QAG.TAKE2", "b", "1", "60", "k", "5", "60"],
-        &["QAG.TAKE2", "c", "1", "60", "k", "5", "60"],
-        &["QAG.PEEK", "k", "5", "60"],
-        &[
-            "QAG.QUOTA.ADD",
-            "q",
-            "PER",
-            "day",
-            "TZ",
-            "UTC",
-            "CALLS",
-            "1",
-        ],
-        &[
-            "QAG.QUOTA.SEED",
-            "q",
-            "PER",
-            "day",
-            "TZ",
-            "UTC",
-            "CALLS",
-            "10",
-        ],
-        &["QAG.QUOTA", "q", "PER", "day", "TZ", "UTC", "CALLS", "5"],
-        &["HSET", "w", "req:1", "4", "tok:2", "9"],
-        &["QAG.ADMIT", "2", "w", "10", "0", "w2", "1", "0"],
-        &["QAG.ADMIT", "2", "w", "10", "0", "w2", "1", "0"],
-        &["QAG.RECORD", "2", "w", "w2", "50"],
-        &["SET", "end", "1"],
-    ] {
-        let _: Value = {
-            let mut c = cmd(words[0]);
-            for w in &words[1..] {
-                c.arg(*w);
-            }
-            c.query(&mut con)
-                .unwrap_or_else(|e| panic!("{words:?}: {e}"))
-        };
+        "QAG.TAKE b 1 60".into(),
+        "QAG.TAKE b 1 60".into(),
+        "QAG.TAKE2 b 1 60 k 5 60".into(),
+        "QAG.TAKE2 c 1 60 k 5 60".into(),
+        "QAG.PEEK k 5 60".into(),
+        "QAG.QUOTA.ADD q PER day TZ UTC CALLS 1".into(),
+        "QAG.QUOTA.SEED q PER day TZ UTC CALLS 10".into(),
+        "QAG.QUOTA q PER day TZ UTC CALLS 5".into(),
+        "HSET w req:1 4 tok:2 9".into(),
+        "QAG.ADMIT 2 w 10 0 w2 1 0".into(),
+        "QAG.ADMIT 2 w 10 0 w2 1 0".into(),
+        "QAG.RECORD 2 w w2 50".into(),
+        "SET end 1".into(),
+    ];
+    for line in &workload {
+        send_line(&mut con, line).unwrap_or_else(|e| panic!("{line}: {e}"));
     }
     let on_primary = key_events(&mut primary_sub, "end");
     let on_replica = key_events(&mut replica_sub, "end");

@@ -439,3 +439,17 @@ pub fn primary_and_replica() -> (Server, Server) {
     }
     (primary, replica)
 }
+
+/// Sends one command given as words.
+pub fn send(con: &mut Connection, words: &[&str]) -> redis::RedisResult<Value> {
+    let mut c = cmd(words[0]);
+    for w in &words[1..] {
+        c.arg(*w);
+    }
+    c.query(con)
+}
+
+/// Sends one command written as words separated by single spaces.
+pub fn send_line(con: &mut Connection, line: &str) -> redis::RedisResult<Value> {
+    send(con, &line.split(' ').collect::<Vec<_>>())
+}

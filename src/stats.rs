@@ -1,0 +1,133 @@
+//! CallCounters an operator reads in `INFO qag`: every command's calls and error replies,
+//! and what the deciding commands decided, counted since the module loaded.
+
+use std::ffi::{c_int, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use redis_module::raw;
+
+/// The most outcomes one command counts (TAKE2: allowed, refused by either bucket).
+const MAX_OUTCOMES: usize = 3;
+
+/// One command's counters. Relaxed atomics: they are only ever written on the server's
+/// main thread, and INFO reads them there too.
+pub struct CallCounters {
+    calls: AtomicU64,
+    errors: AtomicU64,
+    outcomes: [AtomicU64; MAX_OUTCOMES],
+}
+
+impl CallCounters {
+    pub const fn new() -> CallCounters {
+        CallCounters {
+            calls: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            outcomes: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
+        }
+    }
+
+    pub fn called(&self) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn erred(&self) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts outcome number `outcome`, an index into the command's `OUTCOMES`.
+    pub fn decided(&self, outcome: usize) {
+        if let Some(counter) = self.outcomes.get(outcome) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn reset(&self) {
+        for counter in [&self.calls, &self.errors]
+            .into_iter()
+            .chain(&self.outcomes)
+        {
+            counter.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Outcome indices shared by the commands that allow or refuse.
+pub const ALLOWED: usize = 0;
+pub const REFUSED: usize = 1;
+/// TAKE2's third outcome: the client bucket allowed, the key bucket refused.
+pub const REFUSED_KEY: usize = 2;
+
+/// A registered command's counters and the INFO field names they are shown under.
+struct Shown {
+    counters: &'static CallCounters,
+    calls: CString,
+    errors: CString,
+    outcomes: Vec<CString>,
+}
+
+static REGISTERED: Mutex<Vec<Shown>> = Mutex::new(Vec::new());
+
+/// Forgets the commands of an earlier load, so a module loaded again starts from zero.
+pub fn clear() {
+    lock().clear();
+}
+
+/// Shows `counters`, from zero, under the command's name after `qag.` with dots as
+/// underscores: `take2_calls`, `quota_add_errors`, `take_allowed`; the server prefixes
+/// every field with the module's name, `qag_`.
+pub fn show(name: &CStr, counters: &'static CallCounters, outcomes: &[&str]) -> Result<(), String> {
+    let name = name.to_string_lossy();
+    let short = name.strip_prefix("qag.").unwrap_or(&name).replace('.', "_");
+    let field = |suffix: &str| {
+        CString::new(format!("{short}_{suffix}")).map_err(|e| format!("INFO field {e}"))
+    };
+    if outcomes.len() > MAX_OUTCOMES {
+        return Err(format!("{name} counts more than {MAX_OUTCOMES} outcomes"));
+    }
+    counters.reset();
+    let shown = Shown {
+        counters,
+        calls: field("calls")?,
+        errors: field("errors")?,
+        outcomes: outcomes
+            .iter()
+            .map(|o| field(o))
+            .collect::<Result<_, _>>()?,
+    };
+    lock().push(shown);
+    Ok(())
+}
+
+fn lock() -> std::sync::MutexGuard<'static, Vec<Shown>> {
+    // A panic while the list was held cannot leave it half-written: keep using it.
+    REGISTERED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The INFO callback: one section, `# qag`, of flat fields.
+pub extern "C" fn info(ctx: *mut raw::RedisModuleInfoCtx, _for_crash_report: c_int) {
+    // A panic must not unwind into the server; a section cut short is all it costs.
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: entries checked at load; a live info context; C strings that outlive
+        // the calls (the server copies them).
+        unsafe {
+            raw::RedisModule_InfoAddSection.unwrap()(ctx, c"".as_ptr());
+            let add = raw::RedisModule_InfoAddFieldCString.unwrap();
+            add(ctx, c"version".as_ptr(), crate::VERSION.as_ptr());
+            add(
+                ctx,
+                c"clock".as_ptr(),
+                crate::command::clock_name().as_ptr(),
+            );
+            let add = raw::RedisModule_InfoAddFieldULongLong.unwrap();
+            for shown in lock().iter() {
+                let c = shown.counters;
+                add(ctx, shown.calls.as_ptr(), c.calls.load(Ordering::Relaxed));
+                add(ctx, shown.errors.as_ptr(), c.errors.load(Ordering::Relaxed));
+                for (name, counter) in shown.outcomes.iter().zip(&c.outcomes) {
+                    add(ctx, name.as_ptr(), counter.load(Ordering::Relaxed));
+                }
+            }
+        }
+    });
+}
