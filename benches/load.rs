@@ -23,6 +23,9 @@ struct Case {
     name: &'static str,
     commands: &'static [&'static str],
     make: fn(k: u64, i: u64, sha: &str) -> Vec<redis::Cmd>,
+    /// Every call on a key of its own, created by the call (named by `i`): one row,
+    /// no warm-up.
+    fresh: bool,
 }
 
 fn one(c: &mut redis::Cmd) -> Vec<redis::Cmd> {
@@ -33,11 +36,13 @@ fn cases(with_cell: bool) -> Vec<Case> {
     let mut cases = vec![
         Case {
             name: "INCR",
+            fresh: false,
             commands: &["incr"],
             make: |k, _, _| one(cmd("INCR").arg(format!("bench:incr:{k}"))),
         },
         Case {
             name: "EVALSHA token_bucket.lua",
+            fresh: false,
             commands: &["evalsha"],
             make: |k, _, sha| {
                 one(cmd("EVALSHA")
@@ -50,6 +55,7 @@ fn cases(with_cell: bool) -> Vec<Case> {
         },
         Case {
             name: "QAG.TAKE",
+            fresh: false,
             commands: &["qag.take"],
             make: |k, _, _| {
                 one(cmd("QAG.TAKE")
@@ -60,6 +66,7 @@ fn cases(with_cell: bool) -> Vec<Case> {
         },
         Case {
             name: "QAG.TAKE2",
+            fresh: false,
             commands: &["qag.take2"],
             make: |k, _, _| {
                 one(cmd("QAG.TAKE2")
@@ -73,6 +80,7 @@ fn cases(with_cell: bool) -> Vec<Case> {
         },
         Case {
             name: "QAG.TAKE × 2",
+            fresh: false,
             commands: &["qag.take"],
             make: |k, _, _| {
                 vec![
@@ -91,6 +99,7 @@ fn cases(with_cell: bool) -> Vec<Case> {
         },
         Case {
             name: "EVALSHA × 2",
+            fresh: false,
             commands: &["evalsha"],
             make: |k, _, sha| {
                 vec![
@@ -113,6 +122,7 @@ fn cases(with_cell: bool) -> Vec<Case> {
         },
         Case {
             name: "QAG.LEASE + QAG.RELEASE",
+            fresh: false,
             commands: &["qag.lease", "qag.release"],
             make: |k, i, _| {
                 let (key, id) = (format!("bench:running:{k}"), format!("req{i}"));
@@ -129,6 +139,7 @@ fn cases(with_cell: bool) -> Vec<Case> {
         },
         Case {
             name: "QAG.QUOTA + QAG.QUOTA.ADD",
+            fresh: false,
             commands: &["qag.quota", "qag.quota.add"],
             make: |k, _, _| {
                 let key = format!("bench:quota:{k}");
@@ -153,6 +164,7 @@ fn cases(with_cell: bool) -> Vec<Case> {
         },
         Case {
             name: "QAG.ADMIT (3 scopes) + QAG.RECORD",
+            fresh: false,
             commands: &["qag.admit", "qag.record"],
             make: |k, _, _| {
                 let scopes = [
@@ -173,21 +185,46 @@ fn cases(with_cell: bool) -> Vec<Case> {
             },
         },
     ];
+    // GCRA: 61 at once, then one a minute, so a key called once outlives the run. Key
+    // names as long as redis-cell's rows', so that bytes per key compare.
+    cases.push(Case {
+        name: "QAG.THROTTLE",
+        fresh: false,
+        commands: &["qag.throttle"],
+        make: |k, _, _| one(&mut throttle("QAG.THROTTLE", format!("bench:qagt:{k}"))),
+    });
+    cases.push(Case {
+        name: "QAG.THROTTLE new keys",
+        fresh: true,
+        commands: &["qag.throttle"],
+        make: |_, i, _| one(&mut throttle("QAG.THROTTLE", format!("bench:qagt:new:{i}"))),
+    });
     if with_cell {
         cases.push(Case {
             name: "CL.THROTTLE (redis-cell)",
+            fresh: false,
             commands: &["cl.throttle"],
-            make: |k, _, _| {
-                one(cmd("CL.THROTTLE")
-                    .arg(format!("bench:cell:{k}"))
-                    .arg(60)
-                    .arg(60)
-                    .arg(60)
-                    .arg(1))
-            },
+            make: |k, _, _| one(&mut throttle("CL.THROTTLE", format!("bench:cell:{k}"))),
+        });
+        cases.push(Case {
+            name: "CL.THROTTLE (redis-cell) new keys",
+            fresh: true,
+            commands: &["cl.throttle"],
+            make: |_, i, _| one(&mut throttle("CL.THROTTLE", format!("bench:cell:new:{i}"))),
         });
     }
     cases
+}
+
+/// `command key 60 60 3600 1`: a burst of 61, refilled at 60 an hour.
+fn throttle(command: &str, key: String) -> redis::Cmd {
+    cmd(command)
+        .arg(key)
+        .arg(60)
+        .arg(60)
+        .arg(3600)
+        .arg(1)
+        .clone()
 }
 
 const CONNECTIONS: usize = 50;
@@ -320,6 +357,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 struct Row {
     name: &'static str,
+    fresh: bool,
     keys: u64,
     micros: f64,
     per_second_p1: f64,
@@ -334,7 +372,9 @@ fn measure(server: &Server, case: &Case, sha: &str, keys: u64, runs: usize) -> R
     let (mut micros, mut p1, mut p16, mut p50) = (vec![], vec![], vec![], vec![]);
     for _ in 0..runs {
         let _: () = cmd("FLUSHALL").query(&mut con).expect("FLUSHALL");
-        warm_up(&mut con, case, sha, keys);
+        if !case.fresh {
+            warm_up(&mut con, case, sha, keys);
+        }
         let _: () = cmd("CONFIG")
             .arg("RESETSTAT")
             .query(&mut con)
@@ -371,6 +411,7 @@ fn measure(server: &Server, case: &Case, sha: &str, keys: u64, runs: usize) -> R
     });
     Row {
         name: case.name,
+        fresh: case.fresh,
         keys,
         micros: median(micros),
         per_second_p1: median(p1),
@@ -421,7 +462,11 @@ fn main() {
     };
     let mut rows = vec![];
     for case in cases(cell.is_some()).into_iter().filter(selected) {
-        for keys in [1, MANY_KEYS] {
+        let key_counts: &[u64] = match case.fresh {
+            true => &[MANY_KEYS],
+            false => &[1, MANY_KEYS],
+        };
+        for &keys in key_counts {
             let row = measure(&server, &case, &sha, keys, runs);
             eprintln!(
                 "{:<36} {:>6} keys: {:.2} µs/call",
@@ -448,7 +493,9 @@ fn main() {
         table.push_str(&format!(
             "| {} | {} | {:.2} | {:.1} | {:.0} | {:.0} | {:.0} | {} |\n",
             r.name,
-            if r.keys == 1 {
+            if r.fresh {
+                "new each call".to_string()
+            } else if r.keys == 1 {
                 "1 (hot)".to_string()
             } else {
                 r.keys.to_string()
@@ -485,6 +532,19 @@ fn main() {
                 take.micros / cell.micros
             ));
         }
+    }
+    let pair = |qag: &str, cell: &str| Some((find(qag)?, find(cell)?));
+    if let (Some((existing, cell)), Some((new, cell_new))) = (
+        pair("QAG.THROTTLE", "CL.THROTTLE (redis-cell)"),
+        pair("QAG.THROTTLE new keys", "CL.THROTTLE (redis-cell) new keys"),
+    ) {
+        table.push_str(&format!(
+            "QAG.THROTTLE / CL.THROTTLE server CPU: {:.2}× on existing keys, {:.2}× creating them (≤ 0.8× both); bytes per key {} vs {}.\n",
+            existing.micros / cell.micros,
+            new.micros / cell_new.micros,
+            existing.bytes_per_key.unwrap_or(0),
+            cell.bytes_per_key.unwrap_or(0),
+        ));
     }
     println!("{table}");
     let out = std::env::var("QAG_BENCH_OUT")

@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh --servers
 cargo build --release
+# redis-cell, built from crates.io outside the tracked tree, for the differential tests.
+QAG_CELL_MODULE=${QAG_CELL_MODULE:-$(scripts/redis-cell.sh)}
+export QAG_CELL_MODULE
 cargo test --package qag-core
 
 failed=()

@@ -274,6 +274,8 @@ pub trait Command {
     const COMPLEXITY: &'static CStr;
     /// The arguments after the command name, for COMMAND DOCS.
     const ARGS: &'static [Arg];
+    /// The module version that added the command, for COMMAND DOCS.
+    const SINCE: &'static CStr = c"0.1.0";
     /// Calls, error replies and outcomes, shown in INFO.
     const COUNTERS: &'static CallCounters;
     /// The outcomes the command counts in `COUNTERS`, by index (e.g. `allowed`,
@@ -352,6 +354,7 @@ impl Ctx {
             match *args {
                 [a] => replicate(ctx, command, c"ss".as_ptr(), key, a),
                 [a, b] => replicate(ctx, command, c"sss".as_ptr(), key, a, b),
+                [a, b, c] => replicate(ctx, command, c"ssss".as_ptr(), key, a, b, c),
                 [a, b, c, d] => replicate(ctx, command, c"sssss".as_ptr(), key, a, b, c, d),
                 [a, b, c, d, e, f] => {
                     replicate(ctx, command, c"sssssss".as_ptr(), key, a, b, c, d, e, f)
@@ -595,7 +598,7 @@ pub fn register<C: Command>(
         version: &COMMAND_INFO_VERSION,
         summary: C::SUMMARY.as_ptr(),
         complexity: C::COMPLEXITY.as_ptr(),
-        since: c"0.1.0".as_ptr(),
+        since: C::SINCE.as_ptr(),
         history: ptr::null_mut(),
         tips: ptr::null(),
         arity: C::ARITY,

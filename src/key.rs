@@ -30,6 +30,7 @@ const END: *const u8 = ptr::null();
 pub enum ValueType {
     Hash,
     SortedSet,
+    String,
 }
 
 /// An open key, closed when dropped.
@@ -77,6 +78,7 @@ impl<'ctx> Key<'ctx> {
         let expected_type = match expected {
             ValueType::Hash => raw::REDISMODULE_KEYTYPE_HASH,
             ValueType::SortedSet => raw::REDISMODULE_KEYTYPE_ZSET,
+            ValueType::String => raw::REDISMODULE_KEYTYPE_STRING,
         };
         // Built before any early return, so that the key is closed on every path.
         let key = Key {
@@ -219,6 +221,44 @@ impl<'ctx> Key<'ctx> {
             raw::RedisModule_ScanCursorDestroy.unwrap()(cursor);
         }
         scan.picked
+    }
+
+    /// A string key's value, read in place; None when the key is missing.
+    pub fn string_value(&self) -> Option<&[u8]> {
+        if !self.exists {
+            return None;
+        }
+        let mut len = 0usize;
+        // SAFETY: an open string key; read-only access to its buffer, which lives while
+        // the key is open and unwritten, as long as the borrow of `self`.
+        unsafe {
+            let p = raw::RedisModule_StringDMA.unwrap()(
+                self.raw,
+                &mut len,
+                raw::REDISMODULE_READ as c_int,
+            );
+            Some(match p.is_null() {
+                true => &[],
+                false => std::slice::from_raw_parts(p.cast::<u8>(), len),
+            })
+        }
+    }
+
+    /// Sets a string key to `value`, expiring at `at_millis` (Unix milliseconds);
+    /// replicated as one `SET key value PXAT at`, which fires `set` and `expire`.
+    pub fn set_string_expiring_at(&mut self, value: RawString, at_millis: i64) {
+        // SAFETY: a key open for writing, empty or a string; the server copies `value`.
+        unsafe {
+            raw::RedisModule_StringSet.unwrap()(self.raw, value);
+            raw::RedisModule_SetAbsExpire.unwrap()(self.raw, at_millis);
+        }
+        self.exists = true;
+        let pxat = OwnedString::new(self.ctx, b"PXAT");
+        let at = OwnedString::from_integer(self.ctx, at_millis);
+        self.replicate(c"SET", &[value, pxat.raw, at.raw]);
+        self.notify(raw::REDISMODULE_NOTIFY_STRING, c"set");
+        self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire");
+        self.written = true;
     }
 
     /// The score of `member`, None when absent.

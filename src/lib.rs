@@ -8,6 +8,7 @@ mod lease;
 mod quota;
 mod stats;
 mod testing;
+mod throttle;
 mod window;
 
 use std::ffi::CStr;
@@ -114,7 +115,9 @@ fn missing_api() -> Option<&'static str> {
             ),
             ("GetAbsExpire", { RedisModule_GetAbsExpire }.is_some()),
             ("SetAbsExpire", { RedisModule_SetAbsExpire }.is_some()),
+            ("StringDMA", { RedisModule_StringDMA }.is_some()),
             ("StringPtrLen", { RedisModule_StringPtrLen }.is_some()),
+            ("StringSet", { RedisModule_StringSet }.is_some()),
             ("ValueLength", { RedisModule_ValueLength }.is_some()),
             ("ZsetAdd", { RedisModule_ZsetAdd }.is_some()),
             (
@@ -157,9 +160,9 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     ctx.set_module_options(redis_module::raw::ModuleOptions::NO_IMPLICIT_SIGNAL_MODIFIED);
     bucket::init();
     quota::init();
-    let test_commands = args
-        .iter()
-        .any(|a| a.as_slice().eq_ignore_ascii_case(b"TEST-COMMANDS"));
+    let asked = |word: &[u8]| args.iter().any(|a| a.as_slice().eq_ignore_ascii_case(word));
+    let test_commands = asked(b"TEST-COMMANDS");
+    let cl_throttle = asked(b"CL-THROTTLE");
     stats::clear();
     let mut features = Features {
         qag_category: add_acl_category(ctx),
@@ -177,6 +180,13 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         .and_then(|_| register::<quota::Seed>(ctx.ctx, &mut features))
         .and_then(|_| register::<window::Admit>(ctx.ctx, &mut features))
         .and_then(|_| register::<window::Record>(ctx.ctx, &mut features))
+        .and_then(|_| register::<throttle::Throttle<false>>(ctx.ctx, &mut features))
+        .and_then(|_| match cl_throttle {
+            true => register::<throttle::Throttle<true>>(ctx.ctx, &mut features).map_err(|e| {
+                format!("{e}: loaded with CL-THROTTLE, but the name CL.THROTTLE is taken, most likely by redis-cell loaded beside qag; load qag without CL-THROTTLE to keep both")
+            }),
+            false => Ok(()),
+        })
         .and_then(|_| match test_commands {
             true => register::<testing::Panic>(ctx.ctx, &mut features),
             false => Ok(()),
@@ -192,13 +202,17 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         false => "not supported by this server",
     };
     ctx.log_notice(&format!(
-        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, clock {}",
+        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, {}, clock {}",
         VERSION.to_string_lossy(),
         supported(features.command_info, "registered"),
         supported(features.acl_categories, "set"),
         match features.qag_category {
             true => "ACL category @qag added (grant with +@qag)",
             false => "ACL category @qag not available on this server (grant the qag commands by name)",
+        },
+        match cl_throttle {
+            true => "CL.THROTTLE registered",
+            false => "CL.THROTTLE left to redis-cell (load with CL-THROTTLE to take it)",
         },
         command::clock_name().to_string_lossy(),
     ));

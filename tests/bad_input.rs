@@ -388,8 +388,10 @@ fn substitute(t: &Target, args: &[&[u8]]) -> Vec<Vec<u8>> {
 /// Makes a key of every kind the commands use, and a string key; returns each with
 /// its snapshot.
 fn prepare(t: &Target, con: &mut Connection) -> Vec<(String, (Value, i64))> {
-    let [bucket, other, string, slots, quota, window] =
-        ["bucket", "other", "string", "slots", "quota", "window"].map(|k| t.key(k));
+    let [bucket, other, string, slots, quota, window, throttle] = [
+        "bucket", "other", "string", "slots", "quota", "window", "throttle",
+    ]
+    .map(|k| t.key(k));
     for key in [&bucket, &other] {
         let _: Value = cmd("QAG.TAKE").arg(key).arg(5).arg(60).query(con).unwrap();
     }
@@ -429,7 +431,14 @@ fn prepare(t: &Target, con: &mut Connection) -> Vec<(String, (Value, i64))> {
         .arg(3600)
         .query(con)
         .unwrap();
-    [bucket, other, string, slots, quota, window]
+    let _: Value = cmd("QAG.THROTTLE")
+        .arg(&throttle)
+        .arg(5)
+        .arg(10)
+        .arg(3600)
+        .query(con)
+        .unwrap();
+    [bucket, other, string, slots, quota, window, throttle]
         .into_iter()
         .map(|k| (k.clone(), snapshot(con, &k)))
         .collect()
@@ -508,9 +517,10 @@ fn random_arguments_never_crash_the_server() {
     .map(|w| w.to_vec())
     .chain([vec![b'9'; 400], vec![b'x'; 70_000]])
     .collect();
-    // Each command with a valid call, as a template to mutate: B, O, S, Z, Q stand for
-    // the keys below.
-    let templates: [(&str, &[&str]); 12] = [
+    // Each command with a valid call, as a template to mutate: B, O, Z, Q, W, T stand
+    // for the keys below.
+    let templates: [(&str, &[&str]); 13] = [
+        ("QAG.THROTTLE", &["T", "5", "10", "3600", "1"]),
         (
             "QAG.ADMIT",
             &["2", "W", "5", "100", "O", "1", "0", "WINDOW", "60"],
@@ -543,6 +553,7 @@ fn random_arguments_never_crash_the_server() {
         t.key("slots"),
         t.key("quota"),
         t.key("window"),
+        t.key("throttle"),
     ];
     let mut answered = 0;
     for round in 0..4000 {
@@ -564,6 +575,7 @@ fn random_arguments_never_crash_the_server() {
                     "Z" => keys[3].clone().into_bytes(),
                     "Q" => keys[4].clone().into_bytes(),
                     "W" => keys[5].clone().into_bytes(),
+                    "T" => keys[6].clone().into_bytes(),
                     other => other.as_bytes().to_vec(),
                 })
                 .collect();

@@ -11,7 +11,7 @@ use common::*;
 const EXPORTER_LUA: &str = include_str!("../contrib/redis_exporter/qag.lua");
 
 /// Every command's INFO name (after `qag_`), for the fields every command has.
-const COMMANDS: [&str; 12] = [
+const COMMANDS: [&str; 13] = [
     "take",
     "take2",
     "peek",
@@ -24,6 +24,7 @@ const COMMANDS: [&str; 12] = [
     "quota_seed",
     "admit",
     "record",
+    "throttle",
 ];
 
 /// The integer fields of INFO qag.
@@ -98,6 +99,9 @@ fn info_counts_every_call_error_and_decision() {
         ("QAG.ADMIT 2 w 1 0", true),
         ("QAG.RECORD 1 w 10", false),
         ("QAG.RECORD 1 str 10", true),
+        ("QAG.THROTTLE th 0 1 60", false),
+        ("QAG.THROTTLE th 0 1 60", false), // refused
+        ("QAG.THROTTLE th 0 0 60", true),
         ("QAG.TEST.PANIC x", true), // the panic guard's error
     ];
     for (line, errs) in script {
@@ -161,6 +165,10 @@ fn info_counts_every_call_error_and_decision() {
         ("admit_refused", 1),
         ("record_calls", 2),
         ("record_errors", 1),
+        ("throttle_calls", 3),
+        ("throttle_errors", 1),
+        ("throttle_allowed", 1),
+        ("throttle_refused", 1),
         ("test_panic_calls", 1),
         ("test_panic_errors", 1),
     ]
@@ -344,11 +352,19 @@ fn command_docs_list_every_argument() {
         ("qag.quota.seed", quota),
         ("qag.admit", "numscopes:integer scope:block:multiple[key:key rpm:integer tpm:integer] seconds:integer:WINDOW:optional"),
         ("qag.record", "numscopes:integer key:key:multiple tokens:integer seconds:integer:WINDOW:optional"),
+        (
+            "qag.throttle",
+            "key:key max_burst:integer count:integer period:integer quantity:integer:optional",
+        ),
     ] {
         let docs: Value = cmd("COMMAND").arg("DOCS").arg(command).query(&mut con).unwrap();
         let docs = fields(&docs);
         let doc = fields(docs.get(command).unwrap_or_else(|| panic!("no docs for {command}")));
-        assert_eq!(text(doc.get("since")), "0.1.0", "{command}");
+        let since = match command {
+            "qag.throttle" => "0.2.0",
+            _ => "0.1.0",
+        };
+        assert_eq!(text(doc.get("since")), since, "{command}");
         assert!(!text(doc.get("summary")).is_empty(), "{command}");
         assert!(text(doc.get("complexity")).starts_with("O("), "{command}");
         let listed = describe(doc.get("arguments").unwrap_or(&Value::Nil)).join(" ");

@@ -35,7 +35,7 @@ fn fill(con: &mut Connection) -> Vec<KeyState> {
         mixed_round(con, round, 3600);
     }
     let data = dataset(con);
-    assert_eq!(data.len(), 9, "{data:?}");
+    assert_eq!(data.len(), 11, "{data:?}");
     data
 }
 

@@ -48,7 +48,7 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     assert_eq!(acked, 1, "the replica acknowledged the stream");
     let on_primary = dataset(&mut p);
     let on_replica = dataset(&mut r);
-    assert_eq!(on_primary.len(), 11);
+    assert_eq!(on_primary.len(), 13);
     assert!(on_primary
         .iter()
         .any(|(k, members, _)| k == "qag:running:{t}" && !members.is_empty()));

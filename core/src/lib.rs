@@ -9,4 +9,5 @@ pub mod bucket;
 pub mod lease;
 pub mod number;
 pub mod quota;
+pub mod throttle;
 pub mod window;

@@ -260,8 +260,8 @@ pub fn external(test: &str) -> bool {
     external
 }
 
-/// Every key's content (a hash's fields, a sorted set's members and scores, sorted)
-/// and absolute expiry: what persistence and replication must keep exactly.
+/// Every key's content (a hash's fields, a sorted set's members and scores, sorted; a
+/// string's value) and absolute expiry: what persistence and replication must keep exactly.
 pub type KeyState = (String, Vec<(String, String)>, i64);
 
 pub fn dataset(con: &mut Connection) -> Vec<KeyState> {
@@ -279,6 +279,7 @@ pub fn dataset(con: &mut Connection) -> Vec<KeyState> {
                     .arg("WITHSCORES")
                     .query(con)
                     .unwrap(),
+                "string" => vec![("value".into(), cmd("GET").arg(&k).query(con).unwrap())],
                 other => panic!("{k} is a {other}"),
             };
             fields.sort();
@@ -406,6 +407,15 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .arg(100 + round)
             .arg("WINDOW")
             .arg(lifetime)
+            .clone(),
+        // Quantities 0 (a peek) to 2 against a burst of 3, refilled slowly enough that
+        // both keys outlive the round.
+        cmd("QAG.THROTTLE")
+            .arg(format!("qag:cell:{{t}}:{}", round % 2))
+            .arg(2)
+            .arg(3)
+            .arg(100 * lifetime)
+            .arg(round % 3)
             .clone(),
     ];
     for (i, call) in calls.iter().enumerate() {

@@ -1,0 +1,442 @@
+//! GCRA rate limiting as redis-cell's `CL.THROTTLE` computes it (0.5.0,
+//! `redis-cell-impl/src/lib.rs` and the reply in `redis-cell/src/lib.rs`), on the same
+//! state: one integer, the theoretical arrival time (TAT) in nanoseconds since the Unix
+//! epoch. Where redis-cell would overflow or divide by zero (and abort the server),
+//! this refuses with an error instead.
+
+use crate::args::{ArgError, ArgList, Args};
+
+const NANOS_PER_SECOND: i64 = 1_000_000_000;
+
+/// `key max_burst count period [quantity]`: `count` per `period` seconds, bursts of
+/// `max_burst + 1`, taking `quantity` (0: only look).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ThrottleArgs {
+    pub key: usize,
+    pub max_burst: i64,
+    pub count: i64,
+    pub period: i64,
+    pub quantity: i64,
+}
+
+/// The longest period whose nanoseconds fit an i64: about 292 years.
+pub const PERIOD_MAX: i64 = i64::MAX / NANOS_PER_SECOND;
+
+pub fn parse_throttle<L: ArgList + ?Sized>(list: &L) -> Result<ThrottleArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(4, 5)?;
+    let key = args.key()?;
+    let max_burst = args.integer("max_burst", 0, i64::MAX - 1)?;
+    let count = args.integer("count", 1, i64::MAX)?;
+    let period = args.integer("period", 1, PERIOD_MAX)?;
+    let quantity = match args.remaining() {
+        0 => 1,
+        _ => args.integer("quantity", 0, i64::MAX)?,
+    };
+    Ok(ThrottleArgs {
+        key,
+        max_burst,
+        count,
+        period,
+        quantity,
+    })
+}
+
+/// Why a throttle cannot be computed; nothing is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThrottleError {
+    /// More than one per nanosecond: the emission interval would be 0.
+    ZeroInterval,
+    /// A time or a duration beyond the nanosecond range of an i64.
+    Overflow,
+}
+
+impl ThrottleError {
+    pub fn message(self) -> &'static str {
+        match self {
+            ThrottleError::ZeroInterval => {
+                "ERR count per period is faster than one per nanosecond; nothing was written"
+            }
+            ThrottleError::Overflow => {
+                "ERR the rate, burst or quantity overflows the nanosecond arithmetic; nothing was written"
+            }
+        }
+    }
+}
+
+/// One call's result: the reply and, when the call takes something, the TAT to store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Throttle {
+    pub limited: bool,
+    /// max_burst + 1.
+    pub limit: i64,
+    pub remaining: i64,
+    /// Nanoseconds until the call would be allowed; -1 s when allowed, and when it can
+    /// never fit (its increment is more than the whole burst).
+    pub retry_after_nanos: i64,
+    /// Nanoseconds until the limiter is back to its full burst: TAT − now.
+    pub reset_after_nanos: i64,
+    /// The new TAT, written when allowed with a quantity above 0.
+    pub write: Option<i64>,
+}
+
+impl Throttle {
+    /// The five integers CL.THROTTLE answers, durations in whole seconds.
+    pub fn as_reply(&self) -> [i64; 5] {
+        [
+            i64::from(self.limited),
+            self.limit,
+            self.remaining,
+            reply_seconds(self.retry_after_nanos),
+            reply_seconds(self.reset_after_nanos),
+        ]
+    }
+}
+
+/// A duration as redis-cell replies it: whole seconds, plus one when the part below a
+/// second holds at least a whole millisecond (so a caller never retries too early).
+/// Both parts take the duration's sign, so a negative duration is truncated only.
+pub fn reply_seconds(nanos: i64) -> i64 {
+    let whole = nanos / NANOS_PER_SECOND;
+    let millis = (nanos % NANOS_PER_SECOND) / 1_000_000;
+    whole + i64::from(millis > 0)
+}
+
+/// The emission interval in nanoseconds: a double division truncated, as redis-cell's
+/// `Rate::per_period` computes it.
+pub fn emission_interval(count: i64, period: i64) -> Result<i64, ThrottleError> {
+    let period_nanos = period
+        .checked_mul(NANOS_PER_SECOND)
+        .ok_or(ThrottleError::Overflow)?;
+    let interval = (period_nanos as f64 / count as f64) as i64;
+    match interval {
+        0 => Err(ThrottleError::ZeroInterval),
+        _ => Ok(interval),
+    }
+}
+
+/// Throttles at `now` (nanoseconds since the Unix epoch) a limiter whose stored TAT is
+/// `stored` (None when the key is missing).
+pub fn throttle(
+    args: &ThrottleArgs,
+    stored: Option<i64>,
+    now: i64,
+) -> Result<Throttle, ThrottleError> {
+    let overflow = ThrottleError::Overflow;
+    let interval = emission_interval(args.count, args.period)?;
+    let limit = args.max_burst + 1;
+    let tolerance = interval.checked_mul(limit).ok_or(overflow)?;
+    let increment = interval.checked_mul(args.quantity).ok_or(overflow)?;
+    let tat = stored.unwrap_or(now);
+    let new_tat = now.max(tat).checked_add(increment).ok_or(overflow)?;
+    let allow_at = new_tat.checked_sub(tolerance).ok_or(overflow)?;
+    let not_yet = now.checked_sub(allow_at).ok_or(overflow)? < 0;
+    let (limited, retry_after_nanos, ttl, write) = if not_yet {
+        let retry = match increment <= tolerance {
+            true => allow_at.checked_sub(now).ok_or(overflow)?,
+            false => -NANOS_PER_SECOND,
+        };
+        let ttl = tat.checked_sub(now).ok_or(overflow)?;
+        (true, retry, ttl, None)
+    } else {
+        let written = (args.quantity > 0).then_some(new_tat);
+        let ttl = new_tat.checked_sub(now).ok_or(overflow)?;
+        (false, -NANOS_PER_SECOND, ttl, written)
+    };
+    let next = tolerance.checked_sub(ttl).ok_or(overflow)?;
+    // redis-cell divides whole microseconds as doubles; an interval under a microsecond
+    // makes that an infinite or undefined quotient, which the cast saturates.
+    let remaining = match next > -interval {
+        true => ((next / 1000) as f64 / (interval / 1000) as f64) as i64,
+        false => 0,
+    };
+    Ok(Throttle {
+        limited,
+        limit,
+        remaining,
+        retry_after_nanos,
+        reset_after_nanos: ttl,
+        write,
+    })
+}
+
+/// The key's expiry for a stored TAT, in Unix milliseconds: the TAT's millisecond, as
+/// redis-cell's relative expiry of the truncated milliseconds to it comes out. A key
+/// expires once the server's millisecond clock passes it, so it is read at most within
+/// the TAT's own millisecond after the TAT: never with a TAT a millisecond old, which
+/// would answer more remaining than the burst.
+pub fn expire_at_millis(tat: i64) -> i64 {
+    tat.div_euclid(1_000_000)
+}
+
+/// A stored TAT: a non-negative decimal integer, digits only.
+pub fn parse_tat(bytes: &[u8]) -> Option<i64> {
+    if bytes.is_empty() || !bytes.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    crate::args::parse_integer(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const START: i64 = 1_764_441_000 * NANOS_PER_SECOND;
+    const MS: i64 = 1_000_000;
+
+    fn args(max_burst: i64, count: i64, period: i64, quantity: i64) -> ThrottleArgs {
+        ThrottleArgs {
+            key: 1,
+            max_burst,
+            count,
+            period,
+            quantity,
+        }
+    }
+
+    /// redis-cell's own table of cases (limit 5, one per second), run through one state.
+    #[test]
+    fn redis_cells_cases() {
+        // (offset ms, quantity, limited, remaining, reset_after ms, retry_after ms)
+        let cases: [(i64, i64, bool, i64, i64, i64); 15] = [
+            (0, 6, true, 5, 0, -1000),
+            (0, 1, false, 4, 1000, -1000),
+            (0, 1, false, 3, 2000, -1000),
+            (0, 1, false, 2, 3000, -1000),
+            (0, 1, false, 1, 4000, -1000),
+            (0, 1, false, 0, 5000, -1000),
+            (0, 1, true, 0, 5000, 1000),
+            (3000, 1, false, 2, 3000, -1000),
+            (3100, 1, false, 1, 3900, -1000),
+            (4000, 1, false, 1, 4000, -1000),
+            (8000, 1, false, 4, 1000, -1000),
+            (9500, 1, false, 4, 1000, -1000),
+            (9500, 0, false, 4, 1000, -1000),
+            (9500, 2, false, 2, 3000, -1000),
+            (9500, 5, true, 2, 3000, 3000),
+        ];
+        let mut stored = None;
+        for (i, (offset, quantity, limited, remaining, reset, retry)) in
+            cases.into_iter().enumerate()
+        {
+            let t = throttle(&args(4, 1, 1, quantity), stored, START + offset * MS).unwrap();
+            assert_eq!(
+                (
+                    t.limited,
+                    t.limit,
+                    t.remaining,
+                    t.reset_after_nanos,
+                    t.retry_after_nanos
+                ),
+                (limited, 5, remaining, reset * MS, retry * MS),
+                "case {i}"
+            );
+            stored = t.write.or(stored);
+        }
+    }
+
+    #[test]
+    fn a_peek_writes_nothing_and_a_refusal_writes_nothing() {
+        let t = throttle(&args(2, 1, 1, 0), None, START).unwrap();
+        assert_eq!((t.limited, t.remaining, t.write), (false, 3, None));
+        let t = throttle(
+            &args(0, 1, 10, 1),
+            Some(START + 10 * NANOS_PER_SECOND),
+            START,
+        )
+        .unwrap();
+        assert_eq!((t.limited, t.write), (true, None));
+        assert_eq!(t.as_reply(), [1, 1, 0, 10, 10]);
+        let t = throttle(&args(0, 1, 10, 1), None, START).unwrap();
+        assert_eq!(t.write, Some(START + 10 * NANOS_PER_SECOND));
+        assert_eq!(t.as_reply(), [0, 1, 0, -1, 10]);
+    }
+
+    #[test]
+    fn seconds_round_up_from_a_whole_millisecond() {
+        assert_eq!(reply_seconds(0), 0);
+        assert_eq!(reply_seconds(999_999), 0, "under a millisecond");
+        assert_eq!(reply_seconds(1_000_000), 1);
+        assert_eq!(reply_seconds(1_000_000_000), 1);
+        assert_eq!(reply_seconds(1_000_999_999), 1);
+        assert_eq!(reply_seconds(1_001_000_000), 2);
+        assert_eq!(reply_seconds(-NANOS_PER_SECOND), -1);
+        assert_eq!(reply_seconds(-1_500_000_000), -1, "negative: truncated");
+    }
+
+    #[test]
+    fn the_interval_is_a_truncated_double_division() {
+        assert_eq!(emission_interval(3, 1), Ok(333_333_333));
+        assert_eq!(emission_interval(1, 60), Ok(60 * NANOS_PER_SECOND));
+        assert_eq!(emission_interval(7, 100), Ok(14_285_714_285));
+        assert_eq!(
+            emission_interval(NANOS_PER_SECOND + 1, 1),
+            Err(ThrottleError::ZeroInterval)
+        );
+        assert_eq!(emission_interval(NANOS_PER_SECOND, 1), Ok(1));
+        assert_eq!(
+            emission_interval(1, PERIOD_MAX),
+            Ok(PERIOD_MAX * NANOS_PER_SECOND)
+        );
+    }
+
+    #[test]
+    fn overflows_are_errors() {
+        let huge = args(i64::MAX - 1, 1, 1, 1);
+        assert_eq!(throttle(&huge, None, START), Err(ThrottleError::Overflow));
+        let much = args(0, 1, 1, i64::MAX);
+        assert_eq!(throttle(&much, None, START), Err(ThrottleError::Overflow));
+        let late = args(0, 1, 1, 1);
+        assert_eq!(
+            throttle(&late, Some(i64::MAX), START),
+            Err(ThrottleError::Overflow)
+        );
+    }
+
+    #[test]
+    fn remaining_divides_whole_microseconds() {
+        // 3 per second: an interval of 333,333,333 ns; 666,666,665 ns of room is two
+        // intervals in whole microseconds (666,666 / 333,333), one in nanoseconds.
+        let a = args(2, 3, 1, 1);
+        let tat = START + 3 * 333_333_333 - 666_666_665 - 333_333_333;
+        let t = throttle(&a, Some(tat), START).unwrap();
+        assert!(!t.limited);
+        assert_eq!(t.remaining, 2);
+        // An interval under a microsecond divides by zero: an infinite quotient
+        // saturates, an undefined one (under a microsecond of room) casts to 0.
+        let fast = args(1000, 500_000_000, 1, 1);
+        assert_eq!(throttle(&fast, None, START).unwrap().remaining, i64::MAX);
+        let fast = args(10, 500_000_000, 1, 1);
+        assert_eq!(throttle(&fast, None, START).unwrap().remaining, 0);
+    }
+
+    #[test]
+    fn expiry_is_the_tats_millisecond() {
+        assert_eq!(expire_at_millis(START), START / MS);
+        assert_eq!(expire_at_millis(START + 1), START / MS);
+        assert_eq!(expire_at_millis(START + MS - 1), START / MS);
+        assert_eq!(expire_at_millis(START + MS), START / MS + 1);
+    }
+
+    #[test]
+    fn stored_tats_are_digits_only() {
+        assert_eq!(
+            parse_tat(b"1764441000000000000"),
+            Some(1_764_441_000_000_000_000)
+        );
+        assert_eq!(parse_tat(b"0"), Some(0));
+        for bad in [
+            &b""[..],
+            b"-1",
+            b"+1",
+            b" 1",
+            b"1.5",
+            b"abc",
+            b"99999999999999999999",
+            b"\xff",
+        ] {
+            assert_eq!(parse_tat(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn arguments() {
+        let parse = |words: &str| {
+            let list: Vec<&[u8]> = words.split(' ').map(str::as_bytes).collect();
+            parse_throttle(&list[..]).map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            parse("T k 15 30 60"),
+            Ok(ThrottleArgs {
+                key: 1,
+                max_burst: 15,
+                count: 30,
+                period: 60,
+                quantity: 1
+            })
+        );
+        assert_eq!(parse("T k 0 1 1 0").map(|a| a.quantity), Ok(0));
+        for (words, error) in [
+            ("T k 1 1", "ERR wrong number of arguments"),
+            ("T k 1 1 1 1 1", "ERR wrong number of arguments"),
+            (
+                "T k -1 1 1",
+                "ERR max_burst must be an integer from 0 to 9223372036854775806",
+            ),
+            (
+                "T k 1 0 1",
+                "ERR count must be an integer from 1 to 9223372036854775807",
+            ),
+            (
+                "T k 1 1 0",
+                "ERR period must be an integer from 1 to 9223372036",
+            ),
+            (
+                "T k 1 1 9223372037",
+                "ERR period must be an integer from 1 to 9223372036",
+            ),
+            (
+                "T k 1 1 1 -1",
+                "ERR quantity must be an integer from 0 to 9223372036854775807",
+            ),
+            (
+                "T k 1.5 1 1",
+                "ERR max_burst must be an integer from 0 to 9223372036854775806",
+            ),
+            (
+                "T k 1 x 1",
+                "ERR count must be an integer from 1 to 9223372036854775807",
+            ),
+        ] {
+            assert_eq!(parse(words).err().as_deref(), Some(error), "{words}");
+        }
+    }
+
+    proptest! {
+        /// Whatever the arguments, state and clock: an error or a sound result, and a
+        /// limiter never lets through more than its burst plus what time has refilled.
+        #[test]
+        fn total_and_never_over_the_burst(
+            max_burst in 0i64..50,
+            count in 1i64..1000,
+            period in 1i64..100,
+            steps in proptest::collection::vec((0i64..2_000_000_000, 0i64..4), 1..60),
+        ) {
+            let mut now = START;
+            let mut stored = None;
+            let mut taken = 0i64;
+            let interval = emission_interval(count, period).unwrap();
+            for (dt, quantity) in steps {
+                now += dt;
+                // The key expires once the millisecond clock passes its expiry.
+                if stored.is_some_and(|tat| expire_at_millis(tat) < now.div_euclid(MS)) {
+                    stored = None;
+                }
+                let a = args(max_burst, count, period, quantity);
+                let t = throttle(&a, stored, now).unwrap();
+                // Within the TAT's own millisecond a little more than the burst may
+                // show, as in redis-cell.
+                prop_assert!(t.remaining >= 0 && t.remaining <= max_burst + 1 + MS / interval);
+                if !t.limited {
+                    taken += quantity;
+                }
+                stored = t.write.or(stored);
+            }
+            let refilled = (now - START) / interval;
+            prop_assert!(taken <= max_burst + 1 + refilled + 1, "{} > {} + {}", taken, max_burst + 1, refilled);
+        }
+
+        #[test]
+        fn any_input_is_an_answer_or_an_error(
+            max_burst in 0i64..i64::MAX,
+            count in 1i64..i64::MAX,
+            period in 1i64..=PERIOD_MAX,
+            quantity in 0i64..i64::MAX,
+            stored in proptest::option::of(0i64..i64::MAX),
+            now in i64::MIN..i64::MAX,
+        ) {
+            let _ = throttle(&args(max_burst, count, period, quantity), stored, now);
+        }
+    }
+}

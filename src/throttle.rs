@@ -1,0 +1,97 @@
+//! QAG.THROTTLE, redis-cell's CL.THROTTLE on redis-cell's own keys (a string holding
+//! the theoretical arrival time in nanoseconds), and CL.THROTTLE itself when the module
+//! is loaded with `CL-THROTTLE`.
+
+use std::ffi::CStr;
+use std::io::Write;
+
+use qag_core::throttle::{self, ThrottleArgs};
+
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::key::{Access, Key, OwnedString, ValueType};
+use crate::stats::{CallCounters, ALLOWED, REFUSED};
+
+static THROTTLE: CallCounters = CallCounters::new();
+static CL_THROTTLE: CallCounters = CallCounters::new();
+
+const THROTTLE_ARGS: &[Arg] = &[
+    Arg::key(c"key", 0),
+    Arg::integer(c"max_burst"),
+    Arg::integer(c"count"),
+    Arg::integer(c"period"),
+    Arg::integer(c"quantity").optional(),
+];
+const THROTTLE_SUMMARY: &CStr = c"GCRA rate limiting on redis-cell's keys; replies [limited, limit, remaining, retry after, reset after]";
+const THROTTLE_OUTCOMES: &[&str] = &["allowed", "refused"];
+
+/// One throttle call, counted in `counters`.
+fn throttle_call(
+    ctx: &Ctx,
+    args: &RawArgs,
+    counters: &CallCounters,
+) -> Result<Reply, CommandError> {
+    let call: ThrottleArgs = throttle::parse_throttle(args)?;
+    // A peek (quantity 0) only reads.
+    let access = match call.quantity {
+        0 => Access::Read,
+        _ => Access::ReadWrite,
+    };
+    let mut key = Key::open(ctx, args.string(call.key), access, ValueType::String)?;
+    let stored = match key.string_value() {
+        None => None,
+        Some(value) => Some(throttle::parse_tat(value).ok_or(CommandError::Refused(
+            "ERR the key does not hold a throttle's time (a non-negative integer of nanoseconds); nothing was written",
+        ))?),
+    };
+    let now = ctx.now_micros().saturating_mul(1000);
+    let outcome =
+        throttle::throttle(&call, stored, now).map_err(|e| CommandError::Refused(e.message()))?;
+    if let Some(tat) = outcome.write {
+        // Made from its digits, as redis-cell writes it: a short string kept in one
+        // allocation with its object, where an integer-encoded one would be re-made as
+        // a separate string by the next read.
+        let mut digits = [0u8; 20];
+        let len = {
+            let mut out = &mut digits[..];
+            // Twenty digits hold any i64 that is not negative, as a TAT never is.
+            let _ = write!(out, "{tat}");
+            20 - out.len()
+        };
+        let value = OwnedString::new(ctx, &digits[..len]);
+        key.set_string_expiring_at(value.raw, throttle::expire_at_millis(tat));
+    }
+    counters.decided(match outcome.limited {
+        true => REFUSED,
+        false => ALLOWED,
+    });
+    Ok(Reply::Array(outcome.as_reply().into()))
+}
+
+/// QAG.THROTTLE key max_burst count period [quantity]; with `REDIS_CELL_NAME`, the
+/// same command as CL.THROTTLE, so that redis-cell's clients need no change (registered
+/// only when asked for).
+pub struct Throttle<const REDIS_CELL_NAME: bool>;
+
+impl<const REDIS_CELL_NAME: bool> Command for Throttle<REDIS_CELL_NAME> {
+    const NAME: &'static CStr = match REDIS_CELL_NAME {
+        true => c"cl.throttle",
+        false => c"qag.throttle",
+    };
+    const FLAGS: &'static CStr = c"write deny-oom fast";
+    const ARITY: i32 = -5;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = true;
+    const SUMMARY: &'static CStr = THROTTLE_SUMMARY;
+    const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = THROTTLE_ARGS;
+    const SINCE: &'static CStr = c"0.2.0";
+    const COUNTERS: &'static CallCounters = match REDIS_CELL_NAME {
+        true => &CL_THROTTLE,
+        false => &THROTTLE,
+    };
+    const OUTCOMES: &'static [&'static str] = THROTTLE_OUTCOMES;
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        throttle_call(ctx, args, Self::COUNTERS)
+    }
+}

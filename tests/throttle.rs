@@ -1,0 +1,513 @@
+//! QAG.THROTTLE (and CL.THROTTLE by name) against redis-cell itself, on the same keys.
+//!
+//! redis-cell is built from its crates.io source by `scripts/redis-cell.sh` (0.2.2, the
+//! only version there) and found through QAG_CELL_MODULE; the differential tests say so
+//! and skip without it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const NANOS: i64 = 1_000_000_000;
+
+/// One limiter's parameters and a call's quantity.
+#[derive(Clone, Copy, Debug)]
+struct Call {
+    max_burst: i64,
+    count: i64,
+    period: i64,
+    quantity: i64,
+}
+
+/// How a module turns a duration into the reply's seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Rounding {
+    /// redis-cell 0.5.0 and qag: whole seconds, plus one for a remainder of at least a
+    /// whole millisecond.
+    UpFromAMillisecond,
+    /// redis-cell 0.2.2: whole seconds.
+    Truncated,
+}
+
+/// GCRA as redis-cell computes it, written out apart from the module: the reply and the
+/// value written (None: nothing written), for a stored TAT and a clock in nanoseconds.
+/// `peek_writes`: whether a quantity of 0 rewrites the key (redis-cell) or not (qag).
+fn reference(
+    call: Call,
+    stored: Option<i64>,
+    now: i64,
+    rounding: Rounding,
+    peek_writes: bool,
+) -> ([i64; 5], Option<i64>) {
+    let interval = ((call.period * NANOS) as f64 / call.count as f64) as i64;
+    let tolerance = interval * (call.max_burst + 1);
+    let increment = interval * call.quantity;
+    let tat = stored.unwrap_or(now);
+    let new_tat = if now > tat { now } else { tat } + increment;
+    let allow_at = new_tat - tolerance;
+    let (limited, retry, ttl, written) = if now - allow_at < 0 {
+        let retry = if increment <= tolerance {
+            allow_at - now
+        } else {
+            -NANOS
+        };
+        (true, retry, tat - now, None)
+    } else {
+        let write = call.quantity > 0 || peek_writes;
+        (false, -NANOS, new_tat - now, write.then_some(new_tat))
+    };
+    let next = tolerance - ttl;
+    let remaining = if next > -interval {
+        ((next / 1000) as f64 / (interval / 1000) as f64) as i64
+    } else {
+        0
+    };
+    let seconds = |nanos: i64| match rounding {
+        Rounding::Truncated => nanos / NANOS,
+        Rounding::UpFromAMillisecond => nanos / NANOS + i64::from((nanos % NANOS) / 1_000_000 > 0),
+    };
+    (
+        [
+            i64::from(limited),
+            call.max_burst + 1,
+            remaining,
+            seconds(retry),
+            seconds(ttl),
+        ],
+        written,
+    )
+}
+
+fn server_micros(con: &mut Connection) -> i64 {
+    let (s, us): (i64, i64) = cmd("TIME").query(con).unwrap();
+    s * 1_000_000 + us
+}
+
+fn stored(con: &mut Connection, key: &str) -> Option<i64> {
+    let value: Option<String> = cmd("GET").arg(key).query(con).unwrap();
+    value.map(|v| v.parse().unwrap())
+}
+
+/// A server and how its throttle behaves.
+struct Limiter {
+    server: Server,
+    command: &'static str,
+    rounding: Rounding,
+    peek_writes: bool,
+}
+
+impl Limiter {
+    /// Calls the throttle once and checks the reply and the stored TAT against the
+    /// reference at some instant between the TIME read before the call and the one
+    /// read after it (the module's clock is in that window); returns the reply.
+    fn call(&self, key: &str, call: Call) -> [i64; 5] {
+        let mut con = self.server.client().get_connection().unwrap();
+        let before = stored(&mut con, key);
+        let t0 = server_micros(&mut con);
+        let reply: Vec<i64> = cmd(self.command)
+            .arg(key)
+            .arg(call.max_burst)
+            .arg(call.count)
+            .arg(call.period)
+            .arg(call.quantity)
+            .query(&mut con)
+            .unwrap();
+        let t1 = server_micros(&mut con);
+        let after = stored(&mut con, key);
+        let reply: [i64; 5] = reply.try_into().unwrap();
+        // Candidate clocks: every microsecond of the window, and, where a write shows
+        // it, the exact nanosecond the module read (new TAT − increment).
+        let interval = ((call.period * NANOS) as f64 / call.count as f64) as i64;
+        let exact = after.map(|tat| tat - interval * call.quantity);
+        let fits = (t0..=t1).map(|us| us * 1000).chain(exact).any(|now| {
+            let (expected, written) = reference(call, before, now, self.rounding, self.peek_writes);
+            expected == reply && written.or(before) == after
+        });
+        assert!(
+            fits,
+            "{} {key} {call:?}: reply {reply:?}, stored {before:?} -> {after:?}, clock {t0}..{t1} µs",
+            self.command
+        );
+        reply
+    }
+
+    fn copy_key_to(&self, other: &Limiter, key: &str) {
+        let mut from = self.server.client().get_connection().unwrap();
+        let mut to = other.server.client().get_connection().unwrap();
+        let value: Option<String> = cmd("GET").arg(key).query(&mut from).unwrap();
+        let expiry: i64 = cmd("PEXPIRETIME").arg(key).query(&mut from).unwrap();
+        let _: () = cmd("DEL").arg(key).query(&mut to).unwrap();
+        if let Some(value) = value {
+            let _: () = cmd("SET")
+                .arg(key)
+                .arg(value)
+                .arg("PXAT")
+                .arg(expiry)
+                .query(&mut to)
+                .unwrap();
+        }
+    }
+}
+
+/// redis-cell's module, or None with a line saying why the test is skipped.
+fn cell_module(test: &str) -> Option<String> {
+    if external(test) {
+        return None;
+    }
+    let module = std::env::var("QAG_CELL_MODULE").ok();
+    if module.is_none() {
+        eprintln!("{test}: skipped, QAG_CELL_MODULE is not set (scripts/test.sh builds redis-cell with scripts/redis-cell.sh)");
+    }
+    module
+}
+
+fn limiters(cell: &str) -> (Limiter, Limiter) {
+    let qag = Limiter {
+        server: Server::start(&ServerOptions::default()),
+        command: "QAG.THROTTLE",
+        rounding: Rounding::UpFromAMillisecond,
+        peek_writes: false,
+    };
+    let redis_cell = Limiter {
+        server: Server::start(&ServerOptions {
+            without_module: true,
+            extra: vec!["--loadmodule".into(), cell.into()],
+            ..Default::default()
+        }),
+        command: "CL.THROTTLE",
+        rounding: Rounding::Truncated,
+        peek_writes: true,
+    };
+    (qag, redis_cell)
+}
+
+fn call(max_burst: i64, count: i64, period: i64, quantity: i64) -> Call {
+    Call {
+        max_burst,
+        count,
+        period,
+        quantity,
+    }
+}
+
+#[test]
+fn the_same_sequences_give_redis_cells_replies() {
+    let Some(cell) = cell_module("the_same_sequences_give_redis_cells_replies") else {
+        return;
+    };
+    let (qag, redis_cell) = limiters(&cell);
+    // (key, call, pause after it in ms)
+    let sequence = [
+        // A burst of max_burst + 1, then refusals.
+        ("burst", call(4, 10, 1, 1), 0),
+        ("burst", call(4, 10, 1, 1), 0),
+        ("burst", call(4, 10, 1, 1), 0),
+        ("burst", call(4, 10, 1, 1), 0),
+        ("burst", call(4, 10, 1, 1), 0),
+        ("burst", call(4, 10, 1, 1), 0),
+        ("burst", call(4, 10, 1, 1), 250),
+        // Refilled over real time: 10 a second, 250 ms later.
+        ("burst", call(4, 10, 1, 1), 0),
+        ("burst", call(4, 10, 1, 3), 0),
+        ("burst", call(4, 10, 1, 0), 0),
+        // Quantities: more than the burst never fits.
+        ("quantity", call(2, 1, 60, 3), 0),
+        ("quantity", call(2, 1, 60, 4), 0),
+        ("quantity", call(2, 1, 60, 2), 0),
+        ("quantity", call(2, 1, 60, 1), 0),
+        ("quantity", call(2, 1, 60, 1), 0),
+        // max_burst 0: one at a time.
+        ("single", call(0, 2, 1, 1), 0),
+        ("single", call(0, 2, 1, 1), 600),
+        ("single", call(0, 2, 1, 1), 0),
+        // Large counts and long periods.
+        // 60 µs apart, in large quantities, so the state outlives the checks.
+        ("large", call(100_000, 1_000_000, 60, 50_000), 0),
+        ("large", call(100_000, 1_000_000, 60, 40_000), 0),
+        ("large", call(100_000, 1_000_000, 60, 20_000), 0),
+        ("long", call(9, 7, 86_400, 1), 0),
+        ("long", call(9, 7, 86_400, 9), 0),
+        ("long", call(9, 7, 86_400, 1), 0),
+        ("rates", call(2, 3, 1, 1), 0),
+        ("rates", call(2, 3, 1, 1), 0),
+        ("rates", call(2, 3, 1, 1), 0),
+        ("rates", call(2, 3, 1, 1), 0),
+    ];
+    let mut agreed = 0;
+    for (key, c, pause) in sequence {
+        let a = qag.call(key, c);
+        let b = redis_cell.call(key, c);
+        // Decided alike; remaining alike but for the microseconds between the calls.
+        assert_eq!(a[..2], b[..2], "{key} {c:?}: qag {a:?}, redis-cell {b:?}");
+        agreed += usize::from(a[2] == b[2]);
+        std::thread::sleep(Duration::from_millis(pause));
+    }
+    assert!(agreed >= 26, "remaining agreed on {agreed} of 28 calls");
+}
+
+#[test]
+fn a_limiter_moved_between_the_modules_continues_where_it_was() {
+    let Some(cell) = cell_module("a_limiter_moved_between_the_modules_continues_where_it_was")
+    else {
+        return;
+    };
+    let (qag, redis_cell) = limiters(&cell);
+    let c = call(2, 1, 60, 1);
+    // Two taken in qag, moved to redis-cell: one left there, then refused.
+    qag.call("moved", c);
+    qag.call("moved", c);
+    qag.copy_key_to(&redis_cell, "moved");
+    assert_eq!(redis_cell.call("moved", c)[..3], [0, 3, 0]);
+    assert_eq!(redis_cell.call("moved", c)[..3], [1, 3, 0]);
+    // And back: still refused in qag, with redis-cell's TAT.
+    redis_cell.copy_key_to(&qag, "moved");
+    assert_eq!(qag.call("moved", c)[..3], [1, 3, 0]);
+    let peek = qag.call("moved", call(2, 1, 60, 0));
+    assert_eq!(peek[..3], [0, 3, 0]);
+    // The other way round from the start.
+    redis_cell.call("other", call(0, 1, 60, 1));
+    redis_cell.copy_key_to(&qag, "other");
+    assert_eq!(qag.call("other", call(0, 1, 60, 1))[0], 1);
+}
+
+#[test]
+fn a_peek_writes_nothing() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("peek");
+    let peek = |con: &mut Connection| -> Vec<i64> {
+        cmd("QAG.THROTTLE")
+            .arg(&key)
+            .arg(3)
+            .arg(1)
+            .arg(60)
+            .arg(0)
+            .query(con)
+            .unwrap()
+    };
+    assert_eq!(peek(&mut con), [0, 4, 4, -1, 0]);
+    let exists: i64 = cmd("EXISTS").arg(&key).query(&mut con).unwrap();
+    assert_eq!(exists, 0, "no key created");
+    let _: Vec<i64> = cmd("QAG.THROTTLE")
+        .arg(&key)
+        .arg(3)
+        .arg(1)
+        .arg(60)
+        .query(&mut con)
+        .unwrap();
+    let before = snapshot(&mut con, &key);
+    let reply = peek(&mut con);
+    assert_eq!(reply[..3], [0, 4, 3]);
+    assert_eq!(snapshot(&mut con, &key), before, "nothing changed");
+    // The stored value and expiry are redis-cell's: nanoseconds, expiring at them.
+    let tat = stored(&mut con, &key).unwrap();
+    let expiry: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
+    assert_eq!(expiry, tat / 1_000_000);
+    t.assert_healthy();
+}
+
+#[test]
+fn bad_input_and_stored_garbage_are_errors_that_change_nothing() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = |name: &str| t.key(name);
+    let garbage = [
+        ("letters", "abc"),
+        ("negative", "-5"),
+        ("decimal", "1.5"),
+        ("empty", ""),
+        ("huge", "99999999999999999999"),
+        ("spaced", " 123"),
+    ];
+    for (name, value) in garbage {
+        let _: () = cmd("SET")
+            .arg(key(name))
+            .arg(value)
+            .query(&mut con)
+            .unwrap();
+    }
+    let _: () = cmd("HSET")
+        .arg(key("hash"))
+        .arg("f")
+        .arg(1)
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("RPUSH")
+        .arg(key("list"))
+        .arg(1)
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("SADD").arg(key("set")).arg(1).query(&mut con).unwrap();
+    let _: () = cmd("ZADD")
+        .arg(key("zset"))
+        .arg(1)
+        .arg("m")
+        .query(&mut con)
+        .unwrap();
+    let _: String = cmd("XADD")
+        .arg(key("stream"))
+        .arg("*")
+        .arg("f")
+        .arg(1)
+        .query(&mut con)
+        .unwrap();
+    let names = [
+        "letters", "negative", "decimal", "empty", "huge", "spaced", "hash", "list", "set", "zset",
+        "stream", "fresh",
+    ];
+    let snapshot_all = |con: &mut Connection| {
+        names
+            .iter()
+            .map(|name| snapshot(con, &key(name)))
+            .collect::<Vec<_>>()
+    };
+    let before = snapshot_all(&mut con);
+    let mut calls: Vec<(Vec<Vec<u8>>, &str)> = Vec::new();
+    let words = |ws: &[&str]| ws.iter().map(|w| w.as_bytes().to_vec()).collect::<Vec<_>>();
+    for (name, _) in garbage {
+        calls.push((words(&["QAG.THROTTLE", &key(name), "1", "1", "1"]), "ERR the key does not hold a throttle's time (a non-negative integer of nanoseconds); nothing was written"));
+    }
+    for name in ["hash", "list", "set", "zset", "stream"] {
+        calls.push((
+            words(&["QAG.THROTTLE", &key(name), "1", "1", "1"]),
+            "WRONGTYPE Operation against a key holding the wrong kind of value",
+        ));
+    }
+    let fresh = key("fresh");
+    for (args, error) in [
+        (vec!["1", "x", "1"], "ERR count must be an integer from 1 to 9223372036854775807"),
+        (vec!["-1", "1", "1"], "ERR max_burst must be an integer from 0 to 9223372036854775806"),
+        (vec!["1", "0", "1"], "ERR count must be an integer from 1 to 9223372036854775807"),
+        (vec!["1", "1", "0"], "ERR period must be an integer from 1 to 9223372036"),
+        (vec!["1", "1", "-5"], "ERR period must be an integer from 1 to 9223372036"),
+        (vec!["1", "1", "1", "-1"], "ERR quantity must be an integer from 0 to 9223372036854775807"),
+        (vec!["1", "1", "1", "1", "1"], "ERR wrong number of arguments for 'qag.throttle' command"),
+        (vec!["1", "2000000000", "1"], "ERR count per period is faster than one per nanosecond; nothing was written"),
+        (vec!["9223372036854775806", "1", "1"], "ERR the rate, burst or quantity overflows the nanosecond arithmetic; nothing was written"),
+        (vec!["1", "1", "1", "9223372036854775807"], "ERR the rate, burst or quantity overflows the nanosecond arithmetic; nothing was written"),
+        (vec!["1.5", "1", "1"], "ERR max_burst must be an integer from 0 to 9223372036854775806"),
+    ] {
+        let mut call = words(&["QAG.THROTTLE", &fresh]);
+        call.extend(args.iter().map(|a| a.as_bytes().to_vec()));
+        calls.push((call, error));
+    }
+    // Arguments that are not UTF-8, which abort a server running redis-cell.
+    calls.push((
+        vec![
+            b"QAG.THROTTLE".to_vec(),
+            fresh.as_bytes().to_vec(),
+            b"\xff\xfe".to_vec(),
+            b"1".to_vec(),
+            b"1".to_vec(),
+        ],
+        "ERR max_burst must be an integer from 0 to 9223372036854775806",
+    ));
+    calls.push((
+        vec![
+            b"QAG.THROTTLE".to_vec(),
+            b"\xff\xfe".to_vec(),
+            b"1".to_vec(),
+            b"1".to_vec(),
+            b"1".to_vec(),
+            b"\x80".to_vec(),
+        ],
+        "ERR quantity must be an integer from 0 to 9223372036854775807",
+    ));
+    for (call, error) in calls {
+        let mut c = cmd(std::str::from_utf8(&call[0]).unwrap());
+        for a in &call[1..] {
+            c.arg(a.as_slice());
+        }
+        let e = c.query::<Value>(&mut con).unwrap_err();
+        let (code, text) = error.split_once(' ').unwrap();
+        assert_eq!(e.code(), Some(code), "{call:?}: {e}");
+        assert!(e.to_string().contains(text), "{call:?}: {e} lacks {text}");
+    }
+    assert_eq!(snapshot_all(&mut con), before, "nothing written");
+    t.assert_healthy();
+}
+
+#[test]
+fn cl_throttle_only_when_asked_and_never_beside_redis_cell() {
+    if external("cl_throttle_only_when_asked_and_never_beside_redis_cell") {
+        return;
+    }
+    // Without the argument the name stays free.
+    let plain = Server::start(&ServerOptions::default());
+    let mut con = plain.client().get_connection().unwrap();
+    let error = cmd("CL.THROTTLE")
+        .arg("k")
+        .arg(1)
+        .arg(1)
+        .arg(1)
+        .query::<Value>(&mut con)
+        .unwrap_err();
+    assert!(
+        error.to_string().to_lowercase().contains("unknown command"),
+        "{error}"
+    );
+    assert!(plain.log().contains("CL.THROTTLE left to redis-cell"));
+    // With it, CL.THROTTLE is QAG.THROTTLE under redis-cell's name.
+    let named = Server::start(&ServerOptions {
+        module_args: vec!["CL-THROTTLE".into()],
+        ..Default::default()
+    });
+    let mut con = named.client().get_connection().unwrap();
+    for _ in 0..2 {
+        let a: Vec<i64> = cmd("CL.THROTTLE")
+            .arg("a")
+            .arg(1)
+            .arg(1)
+            .arg(60)
+            .query(&mut con)
+            .unwrap();
+        let b: Vec<i64> = cmd("QAG.THROTTLE")
+            .arg("b")
+            .arg(1)
+            .arg(1)
+            .arg(60)
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(a[..3], b[..3]);
+    }
+    let info: String = cmd("INFO").arg("qag").query(&mut con).unwrap();
+    assert!(info.contains("qag_cl_throttle_calls:2"), "{info}");
+    assert!(info.contains("qag_throttle_calls:2"), "{info}");
+    // Beside redis-cell, loading with the argument fails, and says why.
+    if let Ok(cell) = std::env::var("QAG_CELL_MODULE") {
+        let dir = std::env::temp_dir().join(format!("qag-cell-clash-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("server.log");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port()
+            .to_string();
+        let status = std::process::Command::new(
+            std::env::var("REDIS_SERVER").unwrap_or("redis-server".into()),
+        )
+        .args([
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--loadmodule",
+            &cell,
+            "--loadmodule",
+        ])
+        .arg(module_path())
+        .arg("CL-THROTTLE")
+        .arg("--logfile")
+        .arg(&log)
+        .status()
+        .unwrap();
+        assert!(!status.success(), "the server refused to start");
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(text.contains("the name CL.THROTTLE is taken"), "{text}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
