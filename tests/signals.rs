@@ -292,6 +292,10 @@ fn keyspace_events_are_those_of_the_replicated_plain_commands() {
         "QAG.ADMIT 2 w 10 0 w2 1 0".into(),
         "QAG.ADMIT 2 w 10 0 w2 1 0".into(),
         "QAG.RECORD 2 w w2 50".into(),
+        // A throttle: set and expire when it takes, nothing on a peek or a refusal.
+        "QAG.THROTTLE th 0 1 60 1".into(),
+        "QAG.THROTTLE th 0 1 60 1".into(),
+        "QAG.THROTTLE th 0 1 60 0".into(),
         "SET end 1".into(),
     ];
     for line in &workload {
@@ -310,5 +314,11 @@ fn keyspace_events_are_those_of_the_replicated_plain_commands() {
     for key in ["old", "stale"] {
         assert!(on_primary.contains(&pair("del", key)), "{on_primary:?}");
     }
+    let th: Vec<_> = on_primary.iter().filter(|(_, k)| k == "th").collect();
+    assert_eq!(
+        th,
+        [&pair("set", "th"), &pair("expire", "th")],
+        "one take, one write"
+    );
     drop((replica, primary));
 }
