@@ -180,7 +180,18 @@ wait_for() { # what seconds command...: polls until the command succeeds
   echo "docker-test: timed out waiting for $what" >&2
   return 1
 }
+# Removes the last scenario's containers and networks, so that networks (and their
+# address pools) do not pile up over a run.
+end_scenario() {
+  [ -n "$net" ] || return 0
+  local ids
+  ids=$(docker ps -aq --filter "label=$label" --filter "name=$net")
+  [ -z "$ids" ] || docker rm -f $ids >/dev/null
+  docker network ls -q --filter "label=$label" --filter "name=$net" | xargs -r docker network rm >/dev/null
+  net=""
+}
 new_network() {
+  end_scenario
   net=qag-topo-$$-$1
   docker network create --label "$label" "$net" >/dev/null
 }
@@ -246,6 +257,9 @@ cluster_failover() { # image
     { echo "docker-test: FAILED: the cluster was not created in 60 s" >&2; exit 1; }
   wait_for "the cluster" 60 sh -c \
     "for n in 1 2 3 4 5 6; do docker exec $net-node\$n redis-cli cluster info | grep -q cluster_state:ok || exit 1; done"
+  # A replica can take over only once it has synced with its primary.
+  wait_for "the replicas to sync" 60 sh -c \
+    "test \$(for n in 1 2 3 4 5 6; do docker exec $net-node\$n redis-cli info replication; done | grep -c master_link_status:up) = 3"
   local victim=""
   for n in 1 2 3 4 5 6; do
     if [ "$(cli "node$n" role | head -1)" = master ] && ! cli "node$n" get 'qag:topo:{b}:0' | grep -q MOVED; then
@@ -271,10 +285,20 @@ cluster_failover() { # image
 #    the new primary). `min_replicas`: its min-replicas-to-write, 0 for none.
 partition() { # image min_replicas
   local image=$1 min=$2
-  # A subnet of its own, so the primary rejoins with the address the Sentinels know.
+  # A subnet of its own, so the primary rejoins with the address the Sentinels know:
+  # the first free one of a few candidates (Docker refuses one that overlaps a pool).
+  end_scenario
   net=qag-topo-$$-partition-$image-$min
-  local subnet=172.30.$(( ($$ + min) % 250 )).0/24
-  docker network create --label "$label" --subnet "$subnet" "$net" >/dev/null
+  local second third created=""
+  for second in 31 30 29 28 27; do
+    for third in $(seq $(( $$ % 200 + 10 )) 8 250); do
+      if docker network create --label "$label" --subnet "172.$second.$third.0/24" "$net" >/dev/null 2>&1; then
+        created=yes
+        break 2
+      fi
+    done
+  done
+  [ -n "$created" ] || { echo "docker-test: FAILED: no free subnet for the partition network" >&2; exit 1; }
   local side=$net-side
   docker network create --label "$label" "$side" >/dev/null
   local extra=()
@@ -364,6 +388,7 @@ topologies() {
   if [ -n "${QAG_TOPOLOGIES:-}" ]; then
     # Only these scenarios, e.g. "partition redis7 1; aof_restart redis7".
     eval "$QAG_TOPOLOGIES"
+    end_scenario
     printf 'docker-test:   %s\n' "${results[@]}"
     return
   fi
@@ -375,7 +400,7 @@ topologies() {
   partition redis7 0
   partition redis7 1
   aof_restart redis7
-  cleanup
+  end_scenario
   echo "docker-test: topology results"
   printf 'docker-test:   %s\n' "${results[@]}"
 }
