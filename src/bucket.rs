@@ -104,11 +104,7 @@ impl Command for Take {
         let now = ctx.now_micros();
         let outcome = bucket.take(now);
         bucket.write(ctx, &outcome, now);
-        TAKE.decided(if outcome.verdict.allowed {
-            ALLOWED
-        } else {
-            REFUSED
-        });
+        TAKE.allowed_or_refused(outcome.verdict.allowed);
         Ok(Reply::Array(outcome.verdict.as_reply().into()))
     }
 }

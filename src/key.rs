@@ -25,6 +25,14 @@ const NONE: c_int = raw::REDISMODULE_HASH_NONE as c_int;
 /// The NULL that ends HashGet's and HashSet's variadic arguments.
 const END: *const u8 = ptr::null();
 
+/// The `PXAT` of a replicated `SET`, made once at load like the field names.
+static PXAT: FieldName = FieldName::new("PXAT");
+
+/// Makes the shared strings; called once when the module loads.
+pub fn init() {
+    PXAT.create();
+}
+
 /// The type of value a command works on.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum ValueType {
@@ -253,9 +261,8 @@ impl<'ctx> Key<'ctx> {
             raw::RedisModule_SetAbsExpire.unwrap()(self.raw, at_millis);
         }
         self.exists = true;
-        let pxat = OwnedString::new(self.ctx, b"PXAT");
         let at = OwnedString::from_integer(self.ctx, at_millis);
-        self.replicate(c"SET", &[value, pxat.raw, at.raw]);
+        self.replicate(c"SET", &[value, PXAT.raw(), at.raw]);
         self.notify(raw::REDISMODULE_NOTIFY_STRING, c"set");
         self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire");
         self.written = true;
@@ -367,8 +374,26 @@ impl<'ctx> Key<'ctx> {
     /// that already expires then is left alone: nothing changes, so nothing is
     /// replicated (a replica already has that expiry from the call that set it).
     pub fn expire_at(&mut self, at_millis: i64) {
+        let current = self.expiry();
+        self.move_expiry(current, at_millis);
+    }
+
+    /// Moves the key's expiry to `at_millis` unless it already expires later, so that
+    /// counts kept for a later time than the clock's are not dropped early.
+    pub fn expire_no_earlier_than(&mut self, at_millis: i64) {
+        let current = self.expiry();
+        self.move_expiry(current, at_millis.max(current));
+    }
+
+    /// The key's absolute expiry in Unix milliseconds, -1 when it has none.
+    fn expiry(&self) -> i64 {
         // SAFETY: an open, existing key.
-        if unsafe { raw::RedisModule_GetAbsExpire.unwrap()(self.raw) } == at_millis {
+        unsafe { raw::RedisModule_GetAbsExpire.unwrap()(self.raw) }
+    }
+
+    /// Sets the expiry `current` to `at_millis`, replicated, when they differ.
+    fn move_expiry(&mut self, current: i64, at_millis: i64) {
+        if current == at_millis {
             return;
         }
         // SAFETY: as above.
@@ -377,14 +402,6 @@ impl<'ctx> Key<'ctx> {
         self.replicate(c"PEXPIREAT", &[at.raw]);
         self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire");
         self.written = true;
-    }
-
-    /// Moves the key's expiry to `at_millis` unless it already expires later, so that
-    /// counts kept for a later time than the clock's are not dropped early.
-    pub fn expire_no_earlier_than(&mut self, at_millis: i64) {
-        // SAFETY: an open, existing key.
-        let current = unsafe { raw::RedisModule_GetAbsExpire.unwrap()(self.raw) };
-        self.expire_at(at_millis.max(current));
     }
 
     /// Fires `del` when a removal emptied the key, as the plain command does after its

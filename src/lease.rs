@@ -8,7 +8,7 @@ use qag_core::lease::{self, Acquire};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, OwnedString, RawString, ValueType};
-use crate::stats::{CallCounters, ALLOWED, REFUSED};
+use crate::stats::CallCounters;
 
 /// A key's slots, opened for one call at one instant.
 struct Slots<'ctx> {
@@ -101,14 +101,14 @@ impl Command for Lease {
         let live = slots.key.len().saturating_sub(expired.len());
         let decision = lease::acquire(call.max, live as u64, slots.holds_live_lease(id));
         if decision == Acquire::Refuse {
-            LEASE.decided(REFUSED);
+            LEASE.allowed_or_refused(false);
             return Ok(Reply::Array([0, live as i64, 1].into()));
         }
         slots.key.zset_remove(&raw_strings(&expired));
         slots.put(id, call.ttl_millis);
         slots.expire_with_latest_lease();
         let live_after = live + usize::from(decision == Acquire::Take);
-        LEASE.decided(ALLOWED);
+        LEASE.allowed_or_refused(true);
         Ok(Reply::Array([1, live_after as i64, 0].into()))
     }
 }

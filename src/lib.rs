@@ -158,6 +158,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     // A key is signalled as modified (WATCH, client tracking) only when a command wrote
     // to it, never merely because it was opened for writing: see key.rs.
     ctx.set_module_options(redis_module::raw::ModuleOptions::NO_IMPLICIT_SIGNAL_MODIFIED);
+    key::init();
     bucket::init();
     quota::init();
     let asked = |word: &[u8]| args.iter().any(|a| a.as_slice().eq_ignore_ascii_case(word));

@@ -7,7 +7,7 @@ use qag_core::quota::{self, Period, QuotaArgs, Usage};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
-use crate::stats::{CallCounters, ALLOWED, REFUSED};
+use crate::stats::CallCounters;
 
 static PERIOD: FieldName = FieldName::new("period");
 static CALLS: FieldName = FieldName::new("calls");
@@ -99,7 +99,7 @@ impl Command for Check {
         let call = quota::parse_quota(args)?;
         let quota = Quota::open(ctx, args, &call, Access::Read)?;
         let check = quota::check(quota.usage, call.limits());
-        CHECK.decided(if check.allowed { ALLOWED } else { REFUSED });
+        CHECK.allowed_or_refused(check.allowed);
         Ok(Reply::Array(Row::new(&[
             Some(i64::from(check.allowed)),
             check.calls_remaining,

@@ -1,4 +1,4 @@
-//! CallCounters an operator reads in `INFO qag`: every command's calls and error replies,
+//! Counters an operator reads in `INFO qag`: every command's calls and error replies,
 //! and what the deciding commands decided, counted since the module loaded.
 
 use std::ffi::{c_int, CStr, CString};
@@ -33,6 +33,11 @@ impl CallCounters {
 
     pub fn erred(&self) {
         self.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts `ALLOWED` or `REFUSED`.
+    pub fn allowed_or_refused(&self, allowed: bool) {
+        self.decided(if allowed { ALLOWED } else { REFUSED });
     }
 
     /// Counts outcome number `outcome`, an index into the command's `OUTCOMES`.

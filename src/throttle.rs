@@ -9,7 +9,7 @@ use qag_core::throttle::{self, ThrottleArgs};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, OwnedString, ValueType};
-use crate::stats::{CallCounters, ALLOWED, REFUSED};
+use crate::stats::CallCounters;
 
 static THROTTLE: CallCounters = CallCounters::new();
 static CL_THROTTLE: CallCounters = CallCounters::new();
@@ -60,10 +60,7 @@ fn throttle_call(
         let value = OwnedString::new(ctx, &digits[..len]);
         key.set_string_expiring_at(value.raw, throttle::expire_at_millis(tat));
     }
-    counters.decided(match outcome.limited {
-        true => REFUSED,
-        false => ALLOWED,
-    });
+    counters.allowed_or_refused(!outcome.limited);
     Ok(Reply::Array(outcome.as_reply().into()))
 }
 

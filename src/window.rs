@@ -9,7 +9,7 @@ use qag_core::window::{self, Clock, Counters, FieldName, Kind};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, OwnedString, ValueType};
-use crate::stats::{CallCounters, ALLOWED, REFUSED};
+use crate::stats::CallCounters;
 
 /// The call's clock and the field names it reads and writes: the current and previous
 /// windows'. The same for every scope, so made once per call.
@@ -168,7 +168,7 @@ impl Command for Admit {
                 .collect();
             chain.write(ctx, Kind::Requests, requests);
         }
-        ADMIT.decided(if admission.admitted { ALLOWED } else { REFUSED });
+        ADMIT.allowed_or_refused(admission.admitted);
         Ok(Reply::Array(admission.as_reply().into()))
     }
 }
