@@ -407,7 +407,7 @@ fn measure(server: &Server, case: &Case, sha: &str, keys: u64, runs: usize) -> R
             .query::<Option<i64>>(&mut con)
             .ok()
             .flatten(),
-        redis::Arg::Cursor => None,
+        _ => None,
     });
     Row {
         name: case.name,

@@ -606,7 +606,7 @@ fn random_arguments_never_crash_the_server() {
         match c.query::<Value>(&mut con) {
             Ok(_) => {}
             Err(e) => {
-                assert!(e.kind() != redis::ErrorKind::IoError, "{name}: {e}");
+                assert!(e.kind() != redis::ErrorKind::Io, "{name}: {e}");
                 for (key, before) in keys.iter().zip(&snapshots) {
                     // A key that a valid call gave a short life may expire meanwhile.
                     let (_, expire_at) = before;

@@ -4,55 +4,7 @@
 
 mod common;
 
-use std::process::Command;
-use std::time::{Duration, Instant};
-
 use common::*;
-
-fn start_cluster() -> Vec<Server> {
-    let nodes: Vec<Server> = (0..3)
-        .map(|_| {
-            Server::start(&ServerOptions {
-                extra: ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"]
-                    .map(String::from)
-                    .to_vec(),
-                ..Default::default()
-            })
-        })
-        .collect();
-    let addresses: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    let created = Command::new("redis-cli")
-        .arg("--cluster")
-        .arg("create")
-        .args(&addresses)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .output()
-        .expect("run redis-cli --cluster create");
-    assert!(
-        created.status.success(),
-        "{}",
-        String::from_utf8_lossy(&created.stdout)
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    for node in &nodes {
-        let mut con = node.client().get_connection().unwrap();
-        loop {
-            let info: String = cmd("CLUSTER").arg("INFO").query(&mut con).unwrap();
-            if info.contains("cluster_state:ok") {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "cluster never became ok:\n{info}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-    nodes
-}
 
 /// A connection to the node that serves `key`'s slot.
 fn owner(nodes: &[Server], key: &str) -> Connection {
@@ -71,7 +23,7 @@ fn commands_route_by_key_and_multi_key_calls_need_one_slot() {
     if external("cluster") {
         return;
     }
-    let nodes = start_cluster();
+    let nodes = start_cluster(&ServerOptions::default());
     let urls: Vec<String> = nodes
         .iter()
         .map(|n| format!("redis://127.0.0.1:{}/", n.port))

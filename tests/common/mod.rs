@@ -39,12 +39,20 @@ pub struct Target {
     prefix: String,
 }
 
+/// The repository's root: this harness is shared by the module's tests and the Rust
+/// client's (clients/rust), so it is found from the package, not assumed to be it.
+pub fn repository_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .find(|dir| dir.join("lua/token_bucket.lua").exists())
+        .expect("the repository holds lua/token_bucket.lua")
+        .to_path_buf()
+}
+
 pub fn module_path() -> PathBuf {
     std::env::var_os("QAG_MODULE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/release/libqag.so")
-        })
+        .unwrap_or_else(|| repository_root().join("target/release/libqag.so"))
 }
 
 fn server_binary() -> String {
@@ -67,6 +75,9 @@ pub struct ServerOptions {
     /// A data directory that outlives the server (for restarts); else a fresh one,
     /// removed with the server.
     pub dir: Option<PathBuf>,
+    /// A port of the caller's choice (to restart a server where its clients connect);
+    /// else a free one.
+    pub port: Option<u16>,
     /// A program (and its arguments) to run the server under, e.g. valgrind.
     pub wrapper: Vec<String>,
     pub extra: Vec<String>,
@@ -81,7 +92,7 @@ impl Server {
             module.display()
         );
         for _attempt in 0..5 {
-            let port = free_port();
+            let port = options.port.unwrap_or_else(free_port);
             let dir = options.dir.clone().unwrap_or_else(|| {
                 std::env::temp_dir().join(format!("qag-test-{}-{port}", std::process::id()))
             });
@@ -186,6 +197,10 @@ impl Server {
         &self.dir
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Whether the process is still running (it did not crash).
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -248,6 +263,53 @@ impl Target {
             assert!(server.alive(), "server died:\n{}", server.log());
         }
     }
+}
+
+/// A cluster of three primaries on loopback, each started with `options` plus cluster
+/// mode, its slots assigned by `redis-cli --cluster create`; returned once every node
+/// reports the cluster ok.
+pub fn start_cluster(options: &ServerOptions) -> Vec<Server> {
+    let nodes: Vec<Server> = (0..3)
+        .map(|_| {
+            let mut options = options.clone();
+            options.extra.extend(
+                ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"].map(String::from),
+            );
+            Server::start(&options)
+        })
+        .collect();
+    let addresses: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let created = Command::new("redis-cli")
+        .arg("--cluster")
+        .arg("create")
+        .args(&addresses)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .expect("run redis-cli --cluster create");
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stdout)
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for node in &nodes {
+        let mut con = node.client().get_connection().unwrap();
+        loop {
+            let info: String = cmd("CLUSTER").arg("INFO").query(&mut con).unwrap();
+            if info.contains("cluster_state:ok") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cluster never became ok:\n{info}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    nodes
 }
 
 /// True when tests run against an external server; tests that need servers of their

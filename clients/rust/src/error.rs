@@ -1,0 +1,125 @@
+//! The crate's errors, and how a Redis error becomes one. None of them is ever turned
+//! into "allowed" by the crate: what to do is the caller's choice.
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Error {
+    /// The server could not be reached, dropped the connection, or is not serving
+    /// (loading, cluster down, no primary for the slot).
+    Unavailable(String),
+    /// No reply within the per-call deadline. Whether the server ran the command is
+    /// unknown.
+    Timeout(Duration),
+    /// The server refused the command for this user (NOPERM): a configuration error,
+    /// never read as a missing module.
+    Permission(String),
+    /// The call needs the module (backend `Module`, or a command without a script
+    /// fallback) and the server does not have it.
+    ModuleRequired,
+    /// Arguments the module would refuse; nothing was sent.
+    InvalidArgument(String),
+    /// Any other error reply (e.g. WRONGTYPE, CROSSSLOT, OOM), or a reply of an
+    /// unexpected shape.
+    Server(String),
+}
+
+impl Error {
+    /// Redis did not answer: the errors [`OnUnavailable::Local`](crate::OnUnavailable)
+    /// answers locally.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Error::Unavailable(_) | Error::Timeout(_))
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Unavailable(why) => write!(f, "redis is unavailable: {why}"),
+            Error::Timeout(deadline) => write!(f, "redis did not answer within {deadline:?}"),
+            Error::Permission(why) => write!(f, "permission denied by the server: {why}"),
+            Error::ModuleRequired => write!(
+                f,
+                "the qag module is required and the server does not have it"
+            ),
+            Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
+            Error::Server(why) => write!(f, "the server answered an error: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// A Redis error, sorted by what the limiter does about it.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The command does not exist on the server: the module is missing there.
+    UnknownCommand,
+    Error(Error),
+}
+
+pub(crate) fn classify(error: &RedisError) -> Failure {
+    let text = error.to_string();
+    match error.kind() {
+        ErrorKind::Server(ServerErrorKind::NoPerm) => Failure::Error(Error::Permission(text)),
+        ErrorKind::Io
+        | ErrorKind::ClusterConnectionNotFound
+        | ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown
+            | ServerErrorKind::TryAgain,
+        ) => Failure::Error(Error::Unavailable(text)),
+        _ if is_unknown_command(&text) => Failure::UnknownCommand,
+        _ => Failure::Error(Error::Server(text)),
+    }
+}
+
+/// Redis and Valkey answer `ERR unknown command 'qag.take', with args beginning with: ...`.
+fn is_unknown_command(text: &str) -> bool {
+    text.to_ascii_lowercase().contains("unknown command")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server_error(line: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+            .expect("an error reply parses")
+            .extract_error()
+            .expect_err("it is an error")
+    }
+
+    #[test]
+    fn sorts_the_errors_a_server_answers() {
+        let unknown =
+            server_error("ERR unknown command 'qag.take', with args beginning with: 'k' '1' '1' ");
+        assert_eq!(classify(&unknown), Failure::UnknownCommand);
+        let noperm =
+            server_error("NOPERM User limited has no permissions to run the 'evalsha' command");
+        assert!(matches!(
+            classify(&noperm),
+            Failure::Error(Error::Permission(_))
+        ));
+        let loading = server_error("LOADING Redis is loading the dataset in memory");
+        assert!(matches!(classify(&loading), Failure::Error(e) if e.is_unavailable()));
+        let wrongtype =
+            server_error("WRONGTYPE Operation against a key holding the wrong kind of value");
+        assert!(matches!(
+            classify(&wrongtype),
+            Failure::Error(Error::Server(_))
+        ));
+        let io = RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ));
+        assert!(matches!(
+            classify(&io),
+            Failure::Error(Error::Unavailable(_))
+        ));
+    }
+}

@@ -1,0 +1,121 @@
+//! The cases both clients must agree on (clients/shared_cases.json): bucket names,
+//! header fields, and local bucket arithmetic, the last checked against qag-core.
+
+use qag_client::decision::{AnsweredBy, Decision, QuotaDecision};
+use qag_client::local::LocalBuckets;
+use qag_client::{bucket_key, headers};
+use serde_json::Value;
+
+fn cases() -> Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared_cases.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("read the shared cases"))
+        .expect("the shared cases are JSON")
+}
+
+fn u64_of(value: &Value) -> u64 {
+    value.as_u64().expect("a non-negative integer")
+}
+
+fn optional_u64(value: &Value) -> Option<u64> {
+    value.as_u64()
+}
+
+fn bucket(value: &Value) -> Option<Decision> {
+    value.as_object()?;
+    Some(Decision {
+        allowed: value["allowed"].as_bool().unwrap(),
+        limit: u64_of(&value["limit"]),
+        period: value["period"].as_f64().unwrap(),
+        remaining: u64_of(&value["remaining"]),
+        retry_after: value["retry_after"].as_i64().unwrap(),
+        answered_by: AnsweredBy::Module,
+    })
+}
+
+fn quota(value: &Value) -> Option<QuotaDecision> {
+    value.as_object()?;
+    Some(QuotaDecision {
+        allowed: value["allowed"].as_bool().unwrap(),
+        calls_limit: optional_u64(&value["calls_limit"]),
+        calls_remaining: optional_u64(&value["calls_remaining"]),
+        rows_limit: optional_u64(&value["rows_limit"]),
+        rows_remaining: optional_u64(&value["rows_remaining"]),
+        resets_at: value["resets_at"].as_i64().unwrap(),
+    })
+}
+
+#[test]
+fn bucket_names() {
+    let cases = cases();
+    for case in cases["bucket_keys"].as_array().unwrap() {
+        let name = bucket_key(
+            case["scope"].as_str().unwrap(),
+            u64_of(&case["count"]),
+            case["period"].as_f64().unwrap(),
+            case["client"].as_str().unwrap(),
+            case["hash_tag"].as_str(),
+        );
+        assert_eq!(name, case["key"].as_str().unwrap());
+    }
+}
+
+#[test]
+fn header_fields() {
+    let cases = cases();
+    for case in cases["headers"].as_array().unwrap() {
+        let fields = headers(
+            bucket(&case["client"]).as_ref(),
+            bucket(&case["key"]).as_ref(),
+            quota(&case["quota"]).as_ref(),
+            case["now"].as_i64().unwrap(),
+        );
+        let expected: Vec<(String, String)> = case["headers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|pair| {
+                (
+                    pair[0].as_str().unwrap().to_owned(),
+                    pair[1].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        let actual: Vec<(String, String)> = fields
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value))
+            .collect();
+        assert_eq!(actual, expected, "{}", case["name"]);
+    }
+}
+
+#[test]
+fn local_bucket_arithmetic() {
+    let cases = cases();
+    for case in cases["local_buckets"].as_array().unwrap() {
+        let limit = qag_core::bucket::Limit {
+            count: case["count"].as_f64().unwrap(),
+            period: case["period"].as_f64().unwrap(),
+        };
+        let mut local = LocalBuckets::default();
+        for step in case["steps"].as_array().unwrap() {
+            let verdict = local.take(
+                "k",
+                limit,
+                step["cost"].as_i64().unwrap(),
+                step["now"].as_f64().unwrap(),
+            );
+            let expected: Vec<i64> = step["reply"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|n| n.as_i64().unwrap())
+                .collect();
+            assert_eq!(
+                verdict.as_reply().to_vec(),
+                expected,
+                "{} {step}",
+                case["name"]
+            );
+        }
+    }
+}
