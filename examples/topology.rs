@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use std::collections::HashMap;
 
-use redis::{cmd, Cmd, ConnectionLike, ErrorKind, RedisError, RedisResult, Value};
+use redis::{cmd, Cmd, ConnectionLike, ErrorKind, RedisError, RedisResult, ServerErrorKind, Value};
 
 /// A connection to one server, or to a cluster.
 enum Connection {
@@ -71,7 +71,7 @@ impl ConnectionLike for Connection {
 }
 
 fn unroutable() -> RedisError {
-    RedisError::from((ErrorKind::ClientError, "only whole commands are routed"))
+    RedisError::from((ErrorKind::Client, "only whole commands are routed"))
 }
 
 /// A cluster followed by hand, every connection with the same timeouts as a single
@@ -118,7 +118,7 @@ impl Cluster {
             .args_iter()
             .filter_map(|arg| match arg {
                 redis::Arg::Simple(bytes) => Some(bytes),
-                redis::Arg::Cursor => None,
+                _ => None,
             })
             .collect();
         let slot = args
@@ -134,14 +134,14 @@ impl Cluster {
         let Some(node) = node else {
             self.refresh();
             return Err(RedisError::from((
-                ErrorKind::ClusterDown,
+                ErrorKind::Server(ServerErrorKind::ClusterDown),
                 "no node serves the slot",
             )));
         };
         if !self.connections.contains_key(&node) {
             let Some(Connection::Single(con)) = connect(&node) else {
                 self.refresh();
-                return Err(RedisError::from((ErrorKind::IoError, "node unreachable")));
+                return Err(RedisError::from((ErrorKind::Io, "node unreachable")));
             };
             self.connections.insert(node.clone(), con);
         }
@@ -152,7 +152,10 @@ impl Cluster {
             .unwrap_or_else(|| Err(unroutable()));
         if let Err(e) = &result {
             // Moved slots, a failed node, a timeout: the map is read again.
-            if e.is_io_error() || e.is_timeout() || e.kind() == ErrorKind::Moved {
+            if e.is_io_error()
+                || e.is_timeout()
+                || e.kind() == ErrorKind::Server(ServerErrorKind::Moved)
+            {
                 self.connections.remove(&node);
                 self.refresh();
             }
@@ -519,7 +522,8 @@ fn main() {
                     .arg(1)
                     .query::<Value>(&mut c)
                     .is_err_and(|e| {
-                        e.kind() == ErrorKind::CrossSlot || e.code() == Some("CROSSSLOT")
+                        e.kind() == ErrorKind::Server(ServerErrorKind::CrossSlot)
+                            || e.code() == Some("CROSSSLOT")
                     })
             });
             format!(" crossslot_refused={}", u8::from(refused == Some(true)))

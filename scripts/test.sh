@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds the module, runs the unit tests once and the
-# integration tests on each server: Redis 7.0, Redis 8.2 and Valkey 8.1.
+# integration tests of the module and of the Rust client (qag-client) on each server:
+# Redis 7.0, Redis 8.2 and Valkey 8.1.
 # With QAG_REDIS_URL set, the integration tests run once against that server instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,11 +16,11 @@ cargo test --package qag-core
 failed=()
 if [ -n "${QAG_REDIS_URL:-}" ]; then
   echo "== integration tests against $QAG_REDIS_URL"
-  cargo test --no-fail-fast --package qag --tests -- --show-output || failed+=("$QAG_REDIS_URL")
+  cargo test --no-fail-fast --package qag --package qag-client --tests -- --show-output || failed+=("$QAG_REDIS_URL")
 else
   while read -r name path; do
     echo "== integration tests on $name ($("$path" --version | cut -d' ' -f1-3))"
-    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --tests -- --show-output || failed+=("$name")
+    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --tests -- --show-output || failed+=("$name")
   done < <(scripts/servers.sh)
 fi
 

@@ -1,19 +1,18 @@
 //! The crate's errors, and how a Redis error becomes one. None of them is ever turned
 //! into "allowed" by the crate: what to do is the caller's choice.
 
-use std::fmt;
-use std::time::Duration;
-
 use redis::{ErrorKind, RedisError, ServerErrorKind};
+use std::fmt;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Error {
     /// The server could not be reached, dropped the connection, or is not serving
     /// (loading, cluster down, no primary for the slot).
     Unavailable(String),
-    /// No reply within the per-call deadline. Whether the server ran the command is
-    /// unknown.
-    Timeout(Duration),
+    /// No reply in time: within the limiter's per-call deadline, or the connection's
+    /// own response timeout (redis-rs's default is also 0.5 s). Whether the server ran
+    /// the command is unknown.
+    Timeout,
     /// The server refused the command for this user (NOPERM): a configuration error,
     /// never read as a missing module.
     Permission(String),
@@ -31,7 +30,7 @@ impl Error {
     /// Redis did not answer: the errors [`OnUnavailable::Local`](crate::OnUnavailable)
     /// answers locally.
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, Error::Unavailable(_) | Error::Timeout(_))
+        matches!(self, Error::Unavailable(_) | Error::Timeout)
     }
 }
 
@@ -39,7 +38,7 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Unavailable(why) => write!(f, "redis is unavailable: {why}"),
-            Error::Timeout(deadline) => write!(f, "redis did not answer within {deadline:?}"),
+            Error::Timeout => write!(f, "redis did not answer in time"),
             Error::Permission(why) => write!(f, "permission denied by the server: {why}"),
             Error::ModuleRequired => write!(
                 f,
@@ -64,6 +63,7 @@ pub(crate) enum Failure {
 pub(crate) fn classify(error: &RedisError) -> Failure {
     let text = error.to_string();
     match error.kind() {
+        _ if error.is_timeout() => Failure::Error(Error::Timeout),
         ErrorKind::Server(ServerErrorKind::NoPerm) => Failure::Error(Error::Permission(text)),
         ErrorKind::Io
         | ErrorKind::ClusterConnectionNotFound

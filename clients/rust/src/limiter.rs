@@ -482,45 +482,39 @@ where
         R: FnOnce() -> F,
         F: std::future::Future<Output = Result<[Option<Decision>; N], Error>>,
     {
-        let back_off = match self.options.on_unavailable {
-            OnUnavailable::Local { back_off } => Some(back_off),
-            OnUnavailable::Error => None,
+        let OnUnavailable::Local { back_off } = self.options.on_unavailable else {
+            return self.within_deadline(remote()).await;
         };
-        if let Some(back_off) = back_off {
-            let mut state = lock(&self.shared.back_off);
-            if state.until.is_some_and(|until| Instant::now() < until) {
-                return Ok(self.decide_locally(&mut state, locally));
+        let backing_off = lock(&self.shared.back_off)
+            .until
+            .is_some_and(|until| Instant::now() < until);
+        if backing_off {
+            return Ok(self.decide_locally(locally));
+        }
+        match self.within_deadline(remote()).await {
+            Err(error) if error.is_unavailable() => {
+                lock(&self.shared.back_off).until = Some(Instant::now() + back_off);
+                Ok(self.decide_locally(locally))
             }
-            drop(state);
-            match self.within_deadline(remote()).await {
-                Err(error) if error.is_unavailable() => {
+            answer => {
+                if answer.is_ok() {
                     let mut state = lock(&self.shared.back_off);
-                    state.until = Some(Instant::now() + back_off);
-                    Ok(self.decide_locally(&mut state, locally))
-                }
-                answer => {
-                    if answer.is_ok() {
-                        let mut state = lock(&self.shared.back_off);
-                        if state.until.take().is_some() {
-                            // Redis answers again: the next outage starts every bucket full.
-                            state.buckets.clear();
-                        }
+                    if state.until.take().is_some() {
+                        // Redis answers again: the next outage starts every bucket full.
+                        state.buckets.clear();
                     }
-                    answer
                 }
+                answer
             }
-        } else {
-            self.within_deadline(remote()).await
         }
     }
 
     fn decide_locally<const N: usize>(
         &self,
-        state: &mut BackOff,
         locally: impl FnOnce(&mut LocalBuckets, f64) -> [Option<Decision>; N],
     ) -> [Option<Decision>; N] {
         self.shared.local_decisions.fetch_add(1, Ordering::Relaxed);
-        locally(&mut state.buckets, unix_now())
+        locally(&mut lock(&self.shared.back_off).buckets, unix_now())
     }
 
     /// Bounds a call by the deadline; a server that failed to answer is asked again
@@ -531,7 +525,7 @@ where
     ) -> Result<T, Error> {
         let answer = tokio::time::timeout(self.options.deadline, call)
             .await
-            .unwrap_or(Err(Error::Timeout(self.options.deadline)));
+            .unwrap_or(Err(Error::Timeout));
         if answer.as_ref().is_err_and(Error::is_unavailable) {
             *lock(&self.shared.presence) = Presence::Unknown;
         }
@@ -555,16 +549,15 @@ where
         key: &BucketCall,
     ) -> Result<[Option<Decision>; 2], Error> {
         if self.path().await? == Path::Module {
-            let command = cmd("QAG.TAKE2")
+            let mut command = cmd("QAG.TAKE2");
+            command
                 .arg(&client.key)
                 .arg(client.count)
                 .arg(&client.period_text)
                 .arg(&key.key)
                 .arg(key.count)
-                .arg(&key.period_text)
-                .arg("COST")
-                .arg(client.cost)
-                .to_owned();
+                .arg(&key.period_text);
+            push_cost(&mut command, client.cost);
             match self.query::<(Vec<i64>, Option<Vec<i64>>)>(&command).await {
                 Ok((client_reply, key_reply)) => {
                     let key_decision = key_reply
@@ -603,7 +596,8 @@ where
             .arg(&call.key)
             .arg("tokens")
             .arg("ts");
-        let ((seconds, micros), fields): ((i64, i64), (Option<Vec<u8>>, Option<Vec<u8>>)) = pipe
+        type Fields = (Option<Vec<u8>>, Option<Vec<u8>>);
+        let ((seconds, micros), fields): ((i64, i64), Fields) = pipe
             .query_async(&mut self.con.clone())
             .await
             .map_err(|error| failure_error(classify(&error)))?;
@@ -722,13 +716,20 @@ fn take_locally(buckets: &mut LocalBuckets, call: &BucketCall, now: f64) -> Deci
 }
 
 fn bucket_command(name: &str, call: &BucketCall) -> Cmd {
-    cmd(name)
+    let mut command = cmd(name);
+    command
         .arg(&call.key)
         .arg(call.count)
-        .arg(&call.period_text)
-        .arg("COST")
-        .arg(call.cost)
-        .to_owned()
+        .arg(&call.period_text);
+    push_cost(&mut command, call.cost);
+    command
+}
+
+/// `COST n`, left out for the default 1 (less for the server to read).
+fn push_cost(command: &mut Cmd, cost: u64) {
+    if cost != 1 {
+        command.arg("COST").arg(cost);
+    }
 }
 
 /// An unknown command where none was expected is an error like any other.

@@ -1,0 +1,178 @@
+//! Leases, quotas and windows through the crate: the lease guard renews, releases and
+//! reports a lost lease; quotas and windows are typed, and need the module.
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use qag_client::{Backend, Error, Lease, Limiter, Options, Per, Quota, Scope};
+use redis::aio::MultiplexedConnection;
+
+async fn limiter(server: &Server) -> Limiter<MultiplexedConnection> {
+    Limiter::new(
+        server
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect"),
+    )
+}
+
+fn exists(con: &mut Connection, key: &str) -> bool {
+    cmd("EXISTS").arg(key).query::<i64>(con).unwrap() == 1
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_lease_guard_renews_releases_and_reports_a_lost_lease() {
+    if external("the_lease_guard_renews_releases_and_reports_a_lost_lease") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut raw = server.client().get_connection().unwrap();
+    let limiter = limiter(&server).await;
+    let ttl = Duration::from_millis(300);
+
+    // Held through three TTLs of work, then released.
+    let Lease::Held(guard) = limiter.lease("qag:run", 1, ttl, "q1").await.unwrap() else {
+        panic!("a free slot was refused");
+    };
+    let started = Instant::now();
+    while started.elapsed() < ttl * 3 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(limiter.leases("qag:run").await.unwrap(), 1);
+        assert!(!guard.is_lost());
+    }
+    match limiter.lease("qag:run", 1, ttl, "q2").await.unwrap() {
+        Lease::Refused(refusal) => assert_eq!((refusal.live, refusal.retry_after), (1, 1)),
+        Lease::Held(_) => panic!("a second holder got the only slot"),
+    }
+    assert_eq!(guard.release().await, Ok(true));
+    assert!(
+        !exists(&mut raw, "qag:run"),
+        "the last release deletes the key"
+    );
+
+    // Dropped without release: released in the background, renewals stopped.
+    let Lease::Held(guard) = limiter.lease("qag:run", 1, ttl, "q3").await.unwrap() else {
+        panic!("a free slot was refused");
+    };
+    drop(guard);
+    let deadline = Instant::now() + Duration::from_millis(200);
+    while exists(&mut raw, "qag:run") {
+        assert!(
+            Instant::now() < deadline,
+            "a dropped guard released nothing"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(ttl).await;
+    assert!(!exists(&mut raw, "qag:run"), "no renewal after the drop");
+
+    // Removed behind its back: the next renewal reports it.
+    let Lease::Held(mut guard) = limiter.lease("qag:run", 1, ttl, "q4").await.unwrap() else {
+        panic!("a free slot was refused");
+    };
+    let _: i64 = cmd("DEL").arg("qag:run").query(&mut raw).unwrap();
+    tokio::time::timeout(ttl, guard.lost())
+        .await
+        .expect("the loss is reported within a TTL");
+    assert!(guard.is_lost());
+    assert_eq!(guard.release().await, Ok(false));
+
+    // Arguments the module refuses are refused before anything is sent.
+    let bad = limiter.lease("qag:run", 0, ttl, "q").await;
+    assert!(
+        matches!(bad, Err(Error::InvalidArgument(_))),
+        "{:?}",
+        bad.err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quotas_and_windows_are_typed() {
+    if external("quotas_and_windows_are_typed") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let limiter = limiter(&server).await;
+    let quota = Quota {
+        per: Per::Month,
+        zone: "Europe/Berlin".into(),
+        calls: Some(2),
+        rows: Some(1000),
+    };
+    let before = limiter.quota_check("qag:q", &quota).await.unwrap();
+    assert!(before.allowed);
+    assert_eq!(
+        (before.calls_remaining, before.rows_remaining),
+        (Some(2), Some(1000))
+    );
+    let usage = limiter
+        .quota_add("qag:q", Per::Month, "Europe/Berlin", 1, 250)
+        .await
+        .unwrap();
+    assert_eq!(
+        (usage.calls, usage.rows, usage.resets_at),
+        (1, 250, before.resets_at)
+    );
+    let seeded = limiter
+        .quota_seed("qag:q", Per::Month, "Europe/Berlin", 2, 100)
+        .await
+        .unwrap();
+    assert_eq!((seeded.calls, seeded.rows), (2, 250));
+    let after = limiter.quota_check("qag:q", &quota).await.unwrap();
+    assert!(!after.allowed);
+    assert_eq!(after.calls_remaining, Some(0));
+    let bad_zone = Quota {
+        zone: "Mars/Olympus".into(),
+        ..quota
+    };
+    assert!(matches!(
+        limiter.quota_check("qag:q", &bad_zone).await,
+        Err(Error::InvalidArgument(_))
+    ));
+
+    let scopes = [
+        Scope {
+            key: "qag:win:{a}:org".into(),
+            rpm: 100,
+            tpm: 0,
+        },
+        Scope {
+            key: "qag:win:{a}:key".into(),
+            rpm: 1,
+            tpm: 1000,
+        },
+    ];
+    let first = limiter.admit(&scopes, None).await.unwrap();
+    assert!(first.admitted);
+    assert_eq!(
+        (first.requests_remaining, first.tokens_remaining),
+        (Some(0), Some(1000))
+    );
+    let second = limiter.admit(&scopes, Some(60)).await.unwrap();
+    assert!(!second.admitted);
+    assert_eq!(second.refused_by, Some(1));
+    assert!(second.retry_after >= 1);
+    let keys = ["qag:win:{a}:org", "qag:win:{a}:key"];
+    assert_eq!(limiter.record(&keys, 700, None).await, Ok(2));
+
+    // A server of a client that uses the script only has no quota: ModuleRequired.
+    let script_only = Limiter::with_options(
+        server
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap(),
+        Options {
+            backend: Backend::Script,
+            ..Options::default()
+        },
+    );
+    assert_eq!(
+        script_only.record(&keys, 1, None).await,
+        Err(Error::ModuleRequired)
+    );
+}

@@ -1,0 +1,108 @@
+//! The example programs, run as a user runs them, and the README's Rust example, which
+//! must be examples/gateway.rs verbatim (so the README's code is compiled).
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+use std::process::{Command, Output};
+
+use common::*;
+
+fn example(name: &str, args: &[&str]) -> Output {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "run",
+            "--quiet",
+            "--package",
+            "qag-client",
+            "--example",
+            name,
+            "--",
+        ])
+        .args(args)
+        .output()
+        .expect("run cargo")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn the_take_example_prints_one_line() {
+    if external("the_take_example_prints_one_line") {
+        return;
+    }
+    for without_module in [false, true] {
+        let server = Server::start(&ServerOptions {
+            without_module,
+            ..Default::default()
+        });
+        let url = format!("redis://127.0.0.1:{}/", server.port);
+        let backend = if without_module { "script" } else { "module" };
+        let run = example("take", &[&url, "qag:k", "60", "60"]);
+        assert!(run.status.success(), "{}", text(&run.stderr));
+        assert_eq!(
+            text(&run.stdout),
+            format!("allowed=1 remaining=59 retry_after=0 backend={backend}\n")
+        );
+        let run = example(
+            "take",
+            &[
+                "--backend",
+                "script",
+                "--cost",
+                "100",
+                &url,
+                "qag:k",
+                "60",
+                "60",
+            ],
+        );
+        assert_eq!(
+            text(&run.stdout),
+            "allowed=0 remaining=59 retry_after=-1 backend=script\n"
+        );
+        let run = example("take", &["--backend", "module", &url, "qag:k", "60", "60"]);
+        if without_module {
+            assert_eq!(run.status.code(), Some(1));
+            assert!(
+                text(&run.stderr).contains("module is required"),
+                "{}",
+                text(&run.stderr)
+            );
+            assert!(run.stdout.is_empty());
+        } else {
+            assert!(run.status.success());
+        }
+        let run = example("take", &[&url, "qag:k", "0", "60"]);
+        assert_eq!(run.status.code(), Some(1));
+        assert!(text(&run.stderr).contains("count must be an integer"));
+    }
+    let usage = example("take", &["--backend", "lua"]);
+    assert_eq!(usage.status.code(), Some(2));
+    assert!(text(&usage.stderr).contains("usage: take"));
+}
+
+#[test]
+fn the_gateway_example_runs_and_is_the_readmes() {
+    let source =
+        std::fs::read_to_string(repository_root().join("clients/rust/examples/gateway.rs"))
+            .unwrap();
+    let readme = std::fs::read_to_string(repository_root().join("README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("```rust\n{source}```\n")),
+        "README.md's Rust gateway example is not clients/rust/examples/gateway.rs verbatim"
+    );
+    if external("the_gateway_example_runs_and_is_the_readmes") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let run = example("gateway", &[&format!("redis://127.0.0.1:{}/", server.port)]);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    assert!(
+        text(&run.stdout).starts_with("200 [(\"X-RateLimit-Limit\", \"10\")"),
+        "{}",
+        text(&run.stdout)
+    );
+}
