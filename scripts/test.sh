@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds the module, runs the unit tests once and the
-# integration tests of the module and of the Rust client (qag-client) on each server:
-# Redis 7.0, Redis 8.2 and Valkey 8.1.
+# integration tests of the module, of the Rust client (qag-client) and of the Python
+# client (qag_client, in .venv) on each server: Redis 7.0, Redis 8.2 and Valkey 8.1.
 # With QAG_REDIS_URL set, the integration tests run once against that server instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,15 +12,18 @@ cargo build --release
 QAG_CELL_MODULE=${QAG_CELL_MODULE:-$(scripts/redis-cell.sh)}
 export QAG_CELL_MODULE
 cargo test --package qag-core
+python=$(scripts/python-env.sh)
 
 failed=()
 if [ -n "${QAG_REDIS_URL:-}" ]; then
   echo "== integration tests against $QAG_REDIS_URL"
   cargo test --no-fail-fast --package qag --package qag-client --tests -- --show-output || failed+=("$QAG_REDIS_URL")
+  "$python" -m pytest -q clients/python/tests || failed+=("$QAG_REDIS_URL (python)")
 else
   while read -r name path; do
     echo "== integration tests on $name ($("$path" --version | cut -d' ' -f1-3))"
     REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --tests -- --show-output || failed+=("$name")
+    REDIS_SERVER=$path "$python" -m pytest -q clients/python/tests || failed+=("$name (python)")
   done < <(scripts/servers.sh)
 fi
 

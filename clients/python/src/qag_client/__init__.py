@@ -1,0 +1,51 @@
+"""A gateway's client for qag (redis-py, blocking and asyncio).
+
+``Limiter`` / ``AsyncLimiter`` call the module's QAG.* commands where the server has
+them and, for token buckets, the repository's ``lua/token_bucket.lua`` where it does
+not: the same keys, fields and replies as the Rust client (qag-client), so a budget is
+never split or doubled. Decisions, header rendering and local counting are plain code
+(``decisions``, ``headers``, ``local``, ``naming``); the limiters are the thin layers
+that talk to Redis.
+"""
+
+from ._async import AsyncLease, AsyncLimiter
+from ._script import TOKEN_BUCKET_LUA
+from ._sync import Lease, Limiter
+from .decisions import (
+    Admission,
+    Decision,
+    PairDecision,
+    QagError,
+    QagModuleRequired,
+    QagPermissionError,
+    QagRefused,
+    QagServerError,
+    QagUnavailable,
+    QuotaDecision,
+    QuotaUsage,
+    Scope,
+)
+from .headers import headers
+from .naming import bucket_key
+
+__all__ = [
+    "Admission",
+    "AsyncLease",
+    "AsyncLimiter",
+    "Decision",
+    "Lease",
+    "Limiter",
+    "PairDecision",
+    "QagError",
+    "QagModuleRequired",
+    "QagPermissionError",
+    "QagRefused",
+    "QagServerError",
+    "QagUnavailable",
+    "QuotaDecision",
+    "QuotaUsage",
+    "Scope",
+    "TOKEN_BUCKET_LUA",
+    "bucket_key",
+    "headers",
+]

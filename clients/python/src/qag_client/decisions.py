@@ -1,0 +1,344 @@
+"""What the limiter answers, as plain values; the checks of arguments before anything
+is sent; and the exceptions. No I/O here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+COUNT_MAX = 1 << 53
+COST_MAX = (1 << 63) - 1
+PERIOD_MIN = 1e-6
+PERIOD_MAX = 1e10
+LEASE_MAX_SLOTS = 1_000_000
+LEASE_MAX_TTL_MS = 7 * 24 * 3600 * 1000
+LEASE_MAX_ID_BYTES = 256
+SCOPES_MAX = 64
+WINDOW_MAX = 86400
+INT64_MAX = (1 << 63) - 1
+
+
+class QagError(Exception):
+    """Every error of this package."""
+
+
+class QagUnavailable(QagError):
+    """Redis could not be reached, dropped the connection, is not serving (loading,
+    cluster down), or did not answer within the per-call deadline (whether it ran the
+    command is then unknown)."""
+
+
+class QagPermissionError(QagError):
+    """The server refused the command for this user (NOPERM): a configuration error,
+    never read as a missing module."""
+
+
+class QagModuleRequired(QagError):
+    """The call needs the module (backend "module", or a command without a script
+    fallback) and the server does not have it."""
+
+
+class QagServerError(QagError):
+    """Any other error reply (WRONGTYPE, CROSSSLOT, OOM, ...) or a reply of an
+    unexpected shape."""
+
+
+class QagRefused(QagError):
+    """A lease was refused: every slot of the key is held."""
+
+    def __init__(self, live: int, retry_after: int) -> None:
+        super().__init__(f"every slot is held ({live} live); retry after {retry_after} s")
+        self.live = live
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One token bucket's answer. ``retry_after`` is 0 when allowed, else whole seconds
+    until the cost fits, or -1 when it never fits (a cost above the count). ``backend``
+    is "module", "script" (without the module) or "local" (a back-off after Redis
+    failed)."""
+
+    allowed: bool
+    limit: int
+    period: float
+    remaining: int
+    retry_after: int
+    backend: str
+
+    def seconds_to_full(self) -> int:
+        """Seconds until the bucket is full again, as far as its whole tokens tell."""
+        missing = max(self.limit - self.remaining, 0)
+        return math.ceil(missing * self.period / self.limit)
+
+
+@dataclass(frozen=True)
+class PairDecision:
+    """Both buckets of a request; ``key`` is None when the client bucket refused (the
+    key bucket was not counted)."""
+
+    client: Decision
+    key: Optional[Decision]
+
+    @property
+    def allowed(self) -> bool:
+        return self.client.allowed and self.key is not None and self.key.allowed
+
+    @property
+    def refused_by(self) -> Optional[str]:
+        """ "client" or "key": the bucket that refused, if one did."""
+        if not self.client.allowed:
+            return "client"
+        if self.key is not None and not self.key.allowed:
+            return "key"
+        return None
+
+    @property
+    def retry_after(self) -> int:
+        if self.refused_by == "client":
+            return self.client.retry_after
+        if self.refused_by == "key" and self.key is not None:
+            return self.key.retry_after
+        return 0
+
+    @property
+    def backend(self) -> str:
+        return self.client.backend
+
+
+@dataclass(frozen=True)
+class QuotaDecision:
+    """QAG.QUOTA's answer, with the limits it was checked against; ``resets_at`` is the
+    period's end in Unix seconds."""
+
+    allowed: bool
+    calls_limit: Optional[int]
+    calls_remaining: Optional[int]
+    rows_limit: Optional[int]
+    rows_remaining: Optional[int]
+    resets_at: int
+
+
+@dataclass(frozen=True)
+class QuotaUsage:
+    """The period's counts after QAG.QUOTA.ADD or QAG.QUOTA.SEED."""
+
+    calls: int
+    rows: int
+    resets_at: int
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One scope of a sliding-window chain: its key, requests and tokens per window
+    (0: no limit of that kind)."""
+
+    key: str
+    rpm: int
+    tpm: int
+
+
+@dataclass(frozen=True)
+class Admission:
+    """QAG.ADMIT's answer; ``refused_by`` is the 0-based index of the refusing scope;
+    remaining counts are None where no scope limits that kind."""
+
+    admitted: bool
+    refused_by: Optional[int]
+    retry_after: int
+    requests_remaining: Optional[int]
+    tokens_remaining: Optional[int]
+
+
+def _integer(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low} to {high}")
+    return value
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    return value
+
+
+def period_text(period: object) -> str:
+    """Checks a bucket period and writes it as the module and the script read it
+    back: the shortest exact decimal."""
+    if isinstance(period, bool) or not isinstance(period, (int, float)):
+        raise ValueError("period must be a number of seconds")
+    value = float(period)
+    if not (math.isfinite(value) and PERIOD_MIN <= value <= PERIOD_MAX):
+        raise ValueError("period must be a number from 0.000001 to 10000000000")
+    text = repr(value)
+    return text[:-2] if text.endswith(".0") else text
+
+
+@dataclass(frozen=True)
+class BucketCall:
+    """A bucket call's arguments, checked as the module checks them."""
+
+    key: str
+    count: int
+    period: float
+    cost: int
+    period_text: str
+
+    @staticmethod
+    def of(key: str, count: int, period: float, cost: int) -> "BucketCall":
+        """Checks in the module's order: key, count, period, cost."""
+        key = _text("key", key)
+        count = _integer("count", count, 1, COUNT_MAX)
+        text = period_text(period)
+        cost = _integer("cost", cost, 1, COST_MAX)
+        return BucketCall(key, count, float(period), cost, text)
+
+    def arguments(self) -> Tuple[object, ...]:
+        """count, period and, unless the default 1, COST n."""
+        base: Tuple[object, ...] = (self.count, self.period_text)
+        return base if self.cost == 1 else base + ("COST", self.cost)
+
+    def decision(self, reply: object, backend: str) -> Decision:
+        values = _integers(reply, 3, "a bucket reply")
+        allowed, left, retry = values
+        if allowed not in (0, 1) or left < 0 or retry < -1:
+            raise QagServerError(f"a bucket reply, got {reply!r}")
+        return Decision(bool(allowed), self.count, self.period, left, retry, backend)
+
+
+def check_lease(key: str, max_slots: int, ttl_ms: int, lease_id: str) -> None:
+    _text("key", key)
+    _integer("max", max_slots, 1, LEASE_MAX_SLOTS)
+    check_ttl(ttl_ms)
+    check_id(lease_id)
+
+
+def check_ttl(ttl_ms: int) -> None:
+    _integer("ttl_ms", ttl_ms, 1, LEASE_MAX_TTL_MS)
+
+
+def check_id(lease_id: str) -> None:
+    _text("id", lease_id)
+    if len(lease_id.encode()) > LEASE_MAX_ID_BYTES:
+        raise ValueError(f"id must be at most {LEASE_MAX_ID_BYTES} bytes")
+
+
+def quota_words(per: str, tz: str) -> List[object]:
+    if per not in ("day", "month"):
+        raise ValueError("PER must be day or month")
+    return ["PER", per, "TZ", _text("tz", tz)]
+
+
+def quota_check_words(
+    key: str, per: str, tz: str, calls: Optional[int], rows: Optional[int]
+) -> List[object]:
+    words: List[object] = ["QAG.QUOTA", _text("key", key), *quota_words(per, tz)]
+    if calls is None and rows is None:
+        raise ValueError("missing CALLS or ROWS")
+    if calls is not None:
+        words += ["CALLS", _integer("calls", calls, 0, INT64_MAX)]
+    if rows is not None:
+        words += ["ROWS", _integer("rows", rows, 0, INT64_MAX)]
+    return words
+
+
+def quota_count_words(
+    command: str, key: str, per: str, tz: str, calls: int, rows: int
+) -> List[object]:
+    return [
+        command,
+        _text("key", key),
+        *quota_words(per, tz),
+        "CALLS",
+        _integer("calls", calls, 0, INT64_MAX),
+        "ROWS",
+        _integer("rows", rows, 0, INT64_MAX),
+    ]
+
+
+def _window_words(window: Optional[int]) -> List[object]:
+    return [] if window is None else ["WINDOW", _integer("WINDOW", window, 1, WINDOW_MAX)]
+
+
+def admit_words(
+    scopes: Sequence[Union[Scope, Tuple[str, int, int]]], window: Optional[int]
+) -> List[object]:
+    chain = [scope if isinstance(scope, Scope) else Scope(*scope) for scope in scopes]
+    _integer("numscopes", len(chain), 1, SCOPES_MAX)
+    keys = [_text("key", scope.key) for scope in chain]
+    if len(set(keys)) != len(keys):
+        raise ValueError("each scope must have its own key")
+    words: List[object] = ["QAG.ADMIT", len(chain)]
+    for scope in chain:
+        words += [
+            scope.key,
+            _integer("rpm", scope.rpm, 0, INT64_MAX),
+            _integer("tpm", scope.tpm, 0, INT64_MAX),
+        ]
+    return words + _window_words(window)
+
+
+def record_words(keys: Sequence[str], tokens: int, window: Optional[int]) -> List[object]:
+    _integer("numscopes", len(keys), 1, SCOPES_MAX)
+    checked = [_text("key", key) for key in keys]
+    if len(set(checked)) != len(checked):
+        raise ValueError("each scope must have its own key")
+    tokens = _integer("tokens", tokens, 0, INT64_MAX)
+    return ["QAG.RECORD", len(checked), *checked, tokens] + _window_words(window)
+
+
+def _integers(reply: object, length: int, what: str) -> List[int]:
+    if (
+        not isinstance(reply, (list, tuple))
+        or len(reply) != length
+        or not all(isinstance(value, int) for value in reply)
+    ):
+        raise QagServerError(f"{what} of {length} integers, got {reply!r}")
+    return list(reply)
+
+
+def _non_negative(value: Optional[int]) -> Optional[int]:
+    if value is not None and (not isinstance(value, int) or value < 0):
+        raise QagServerError(f"a count of at least 0, got {value!r}")
+    return value
+
+
+def quota_decision(reply: object, calls: Optional[int], rows: Optional[int]) -> QuotaDecision:
+    if not isinstance(reply, (list, tuple)) or len(reply) != 4 or reply[0] not in (0, 1):
+        raise QagServerError(f"a QAG.QUOTA reply, got {reply!r}")
+    if not isinstance(reply[3], int):
+        raise QagServerError(f"a QAG.QUOTA reply, got {reply!r}")
+    return QuotaDecision(
+        allowed=reply[0] == 1,
+        calls_limit=calls,
+        calls_remaining=_non_negative(reply[1]),
+        rows_limit=rows,
+        rows_remaining=_non_negative(reply[2]),
+        resets_at=reply[3],
+    )
+
+
+def quota_usage(reply: object) -> QuotaUsage:
+    calls, rows, resets_at = _integers(reply, 3, "a QAG.QUOTA.ADD reply")
+    if calls < 0 or rows < 0:
+        raise QagServerError(f"a QAG.QUOTA.ADD reply, got {reply!r}")
+    return QuotaUsage(calls, rows, resets_at)
+
+
+def admission(reply: object) -> Admission:
+    admitted, scope, retry, requests, tokens = _integers(reply, 5, "a QAG.ADMIT reply")
+    if admitted not in (0, 1) or scope < 0 or retry < 0 or min(requests, tokens) < -1:
+        raise QagServerError(f"a QAG.ADMIT reply, got {reply!r}")
+    return Admission(
+        admitted=admitted == 1,
+        refused_by=scope - 1 if scope else None,
+        retry_after=retry,
+        requests_remaining=None if requests == -1 else requests,
+        tokens_remaining=None if tokens == -1 else tokens,
+    )
+
+
+def lease_reply(reply: object) -> Tuple[bool, int, int]:
+    acquired, live, retry = _integers(reply, 3, "a QAG.LEASE reply")
+    return acquired == 1, max(live, 0), max(retry, 0)

@@ -1,0 +1,205 @@
+"""Real servers for the tests, started the way the Rust tests start them: the binary in
+REDIS_SERVER (default redis-server), the module in QAG_MODULE (default the repository's
+target/release/libqag.so), each on a free loopback port with a directory of its own,
+killed and removed when the test ends, however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Optional
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+REPOSITORY = Path(__file__).resolve().parents[3]
+MODULE = Path(os.environ.get("QAG_MODULE", REPOSITORY / "target/release/libqag.so"))
+SERVER = os.environ.get("REDIS_SERVER", "redis-server")
+
+
+def free_port() -> int:
+    """A free loopback port a cluster node can use too (its bus port is 10000 higher)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port <= 55535:
+            return port
+
+
+def no_retry() -> Retry:
+    """A client that fails within its timeout instead of retrying (the README's advice)."""
+    return Retry(NoBackoff(), 0)
+
+
+class Server:
+    def __init__(
+        self,
+        with_module: bool = True,
+        port: Optional[int] = None,
+        directory: Optional[Path] = None,
+        extra: Optional[List[str]] = None,
+    ) -> None:
+        assert not with_module or MODULE.exists(), f"{MODULE} is missing: cargo build --release"
+        self.port = port or free_port()
+        self.own_directory = directory is None
+        self.directory = directory or Path(tempfile.mkdtemp(prefix="qag-py-"))
+        args = [
+            SERVER,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.directory),
+            "--save", "",
+            "--logfile", str(self.directory / f"server-{self.port}.log"),
+        ]  # fmt: skip
+        if with_module:
+            args += ["--loadmodule", str(MODULE)]
+        args += extra or []
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if redis.Redis(port=self.port).ping():
+                    return
+            except redis.exceptions.RedisError:
+                pass
+            assert self.process.poll() is None, f"{SERVER} exited: {self.log()}"
+            assert time.monotonic() < deadline, f"{SERVER} did not start: {self.log()}"
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/"
+
+    def client(self, **options: Any) -> "redis.Redis[bytes]":
+        return redis.Redis(port=self.port, retry=no_retry(), **options)
+
+    def async_client(self, **options: Any) -> "redis.asyncio.Redis[bytes]":
+        return redis.asyncio.Redis(port=self.port, retry=no_retry(), **options)
+
+    def log(self) -> str:
+        path = self.directory / f"server-{self.port}.log"
+        return path.read_text() if path.exists() else ""
+
+    def shutdown(self) -> None:
+        """SHUTDOWN, persisting what the configuration says, and wait for the exit."""
+        try:
+            redis.Redis(port=self.port).shutdown()
+        except redis.exceptions.ConnectionError:
+            pass
+        self.process.wait(timeout=60)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self.own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def start_server() -> Iterator[Callable[..., Server]]:
+    if os.environ.get("QAG_REDIS_URL"):
+        pytest.skip("starts servers of its own (QAG_REDIS_URL is set)")
+    started: List[Server] = []
+
+    def start(**options: Any) -> Server:
+        server = Server(**options)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+@pytest.fixture
+def start_cluster(start_server: Callable[..., Server]) -> Callable[..., List[Server]]:
+    """Three primaries, slots assigned by redis-cli --cluster create."""
+
+    def start(with_module: bool = True) -> List[Server]:
+        nodes = [
+            start_server(
+                with_module=with_module,
+                extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "5000",
+                       "--cluster-config-file", f"nodes-{n}.conf"],
+            )  # fmt: skip
+            for n in range(3)
+        ]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        for node in nodes:
+            while b"cluster_state:ok" not in node.client().execute_command("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the cluster never became ok"
+                time.sleep(0.1)
+        return nodes
+
+    return start
+
+
+@pytest.fixture
+def temp_directory() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="qag-py-data-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class Blocking:
+    """An AsyncLimiter seen through blocking calls (one event loop of its own), so a
+    scenario is written once and run on both limiters."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.limiter = self.loop.run_until_complete(self._make(make))
+
+    @staticmethod
+    async def _make(make: Callable[[], Any]) -> Any:
+        return make()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.limiter, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.loop.run_until_complete(attribute(*args, **kwargs))
+
+        return call
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.limiter.aclose())
+        self.loop.close()
+
+
+@pytest.fixture(params=["sync", "async"])
+def make_limiter(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """Builds a Limiter, or an AsyncLimiter behind Blocking, for a server."""
+    from qag_client import AsyncLimiter, Limiter
+
+    made: List[Blocking] = []
+
+    def make(server: Server, client_options: Optional[dict] = None, **options: Any) -> Any:
+        client_options = client_options or {}
+        if request.param == "sync":
+            return Limiter(server.client(**client_options), **options)
+        blocking = Blocking(lambda: AsyncLimiter(server.async_client(**client_options), **options))
+        made.append(blocking)
+        return blocking
+
+    yield make
+    for blocking in made:
+        blocking.close()

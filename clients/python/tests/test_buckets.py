@@ -1,0 +1,171 @@
+"""Token buckets through Limiter and AsyncLimiter (each test runs on both) on real
+servers with and without the module: module and script answer alike call by call and
+keep one budget; "auto" follows a server restarted without and with the module; a
+NOPERM stays a permission error."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import pytest
+
+from conftest import Server
+from qag_client import QagModuleRequired, QagPermissionError, QagUnavailable, TOKEN_BUCKET_LUA
+
+# A bucket too slow to refill within a test: replies depend on the calls alone.
+COUNT, PERIOD = 5, 36000.0
+COSTS = [1, 2, 1, 3, 1, 9, 1, 1]
+
+
+def reply_of(decision: Any) -> List[int]:
+    return [int(decision.allowed), decision.remaining, decision.retry_after]
+
+
+def test_module_and_script_answer_as_the_raw_command_and_the_script(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    server = start_server()
+    raw = server.client()
+    sha = raw.script_load(TOKEN_BUCKET_LUA)
+    module = make_limiter(server, backend="module")
+    script = make_limiter(server, backend="script")
+    auto = make_limiter(server)
+    for n, cost in enumerate(COSTS):
+        by_module = module.take("qag:m", COUNT, PERIOD, cost)
+        by_auto = auto.take("qag:a", COUNT, PERIOD, cost)
+        by_script = script.take("qag:s", COUNT, PERIOD, cost)
+        raw_module = raw.execute_command("QAG.TAKE", "qag:rm", COUNT, PERIOD, "COST", cost)
+        raw_script = raw.evalsha(sha, 1, "qag:rs", COUNT, PERIOD, cost)
+        assert raw_module == raw_script, n
+        for decision in (by_module, by_auto, by_script):
+            assert reply_of(decision) == raw_module, (n, decision)
+            assert (decision.limit, decision.period) == (COUNT, PERIOD)
+        assert (by_module.backend, by_auto.backend, by_script.backend) == (
+            "module",
+            "module",
+            "script",
+        )
+    for key in ("qag:m", "qag:a", "qag:s", "qag:rm", "qag:rs"):
+        assert sorted(raw.hkeys(key)) == [b"tokens", b"ts"], key
+        assert raw.pttl(key) > 0, key
+    peeked = module.peek("qag:m", COUNT, PERIOD)
+    fallback = script.peek("qag:m", COUNT, PERIOD)
+    assert reply_of(peeked) == reply_of(fallback)
+    assert fallback.backend == "script"
+    assert reply_of(script.peek("qag:absent", COUNT, PERIOD, 6)) == [0, 5, -1]
+
+
+def test_without_the_module_auto_runs_the_script_and_module_is_an_error(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    server = start_server(with_module=False)
+    auto = make_limiter(server)
+    module = make_limiter(server, backend="module")
+    for left in reversed(range(COUNT)):
+        decision = auto.take("qag:k", COUNT, PERIOD)
+        assert (decision.allowed, decision.remaining, decision.backend) == (True, left, "script")
+    assert not auto.take("qag:k", COUNT, PERIOD).allowed
+    with pytest.raises(QagModuleRequired):
+        module.take("qag:k", COUNT, PERIOD)
+    with pytest.raises(QagModuleRequired):
+        auto.quota_add("qag:q", "day", "UTC", calls=1)
+
+
+def test_pairs_by_module_and_by_script_agree_and_leave_a_refused_key_alone(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    server = start_server()
+    raw = server.client()
+    module = make_limiter(server, backend="module")
+    script = make_limiter(server, backend="script")
+
+    def shape(pair: Any) -> tuple:
+        key_left = None if pair.key is None else pair.key.remaining
+        return (pair.allowed, pair.refused_by, pair.client.remaining, key_left, pair.retry_after)
+
+    for n in range(6):
+        by_module = module.take_pair("qag:mc", 3, PERIOD, "qag:mk", 5, PERIOD)
+        by_script = script.take_pair("qag:sc", 3, PERIOD, "qag:sk", 5, PERIOD)
+        assert shape(by_module) == shape(by_script), n
+        assert (by_module.backend, by_script.backend) == ("module", "script")
+        if n >= 3:
+            assert by_module.refused_by == "client" and by_module.key is None
+    for key in ("qag:mk", "qag:sk"):
+        assert 2.0 <= float(raw.hget(key, "tokens")) < 2.01, key
+
+
+def test_one_bucket_through_module_and_script_refuses_where_the_module_alone_does(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    server = start_server()
+    module = make_limiter(server, backend="module")
+    script = make_limiter(server, backend="script")
+    mixed, alone = [], []
+    for n in range(8):
+        through = module if n % 2 == 0 else script
+        mixed.append(through.take("qag:shared", COUNT, PERIOD))
+        alone.append(module.take("qag:alone", COUNT, PERIOD))
+    assert [(d.allowed, d.remaining) for d in mixed] == [(d.allowed, d.remaining) for d in alone]
+    assert [d.allowed for d in mixed].index(False) == COUNT
+
+
+@pytest.mark.parametrize("with_module", [True, False])
+def test_a_user_with_only_the_module_commands(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any], with_module: bool
+) -> None:
+    server = start_server(with_module=with_module)
+    admin = server.client()
+    grants = ["+qag.take", "+qag.take2"] if with_module else []
+    admin.execute_command("ACL", "SETUSER", "gateway", "on", ">secret", "~qag:*", *grants)
+    login = {"username": "gateway", "password": "secret"}
+    auto = make_limiter(server, login)
+    script = make_limiter(server, login, backend="script")
+    if with_module:
+        assert auto.take("qag:k", COUNT, PERIOD).backend == "module"
+        assert auto.take_pair("qag:{t}c", 3, 1, "qag:{t}k", 5, 60).allowed
+    else:
+        # COMMAND is not granted either: the module command is tried, is unknown, and
+        # the script is refused: a permission error, not a missing module.
+        with pytest.raises(QagPermissionError):
+            auto.take("qag:k", COUNT, PERIOD)
+    with pytest.raises(QagPermissionError):
+        script.take("qag:k", COUNT, PERIOD)
+
+
+def test_auto_follows_a_restart_without_and_with_the_module(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    temp_directory: Any,
+) -> None:
+    persisted = {"directory": temp_directory, "extra": ["--appendonly", "yes"]}
+    server = start_server(**persisted)
+    port = server.port
+    # Believe a missing module for long: only the failed call may make it ask again.
+    auto = make_limiter(server, recheck_missing_module=3600)
+    seen = []
+
+    def take() -> None:
+        try:
+            decision = auto.take("qag:k", 10, PERIOD)
+            seen.append((decision.backend, decision.remaining))
+        except QagUnavailable:
+            # The first call after a restart may find its connection dropped.
+            pass
+
+    for _ in range(2):
+        take()
+    server.shutdown()
+    server = start_server(with_module=False, port=port, **persisted)
+    for _ in range(3):
+        take()
+    server.shutdown()
+    start_server(port=port, **persisted)
+    for _ in range(3):
+        take()
+    remaining = [left for _, left in seen]
+    assert all(a == b + 1 for a, b in zip(remaining, remaining[1:])), seen
+    assert seen[0] == ("module", 9), seen
+    backends = [backend for backend, _ in seen]
+    assert "script" in backends and backends[-1] == "module", seen
+    switches = sum(1 for a, b in zip(backends, backends[1:]) if a != b)
+    assert switches == 2, seen
