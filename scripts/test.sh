@@ -13,6 +13,7 @@ QAG_CELL_MODULE=${QAG_CELL_MODULE:-$(scripts/redis-cell.sh)}
 export QAG_CELL_MODULE
 cargo test --package qag-core
 python=$(scripts/python-env.sh)
+python_oldest=$(scripts/python-env.sh redis==5.0.8)
 
 failed=()
 if [ -n "${QAG_REDIS_URL:-}" ]; then
@@ -25,6 +26,8 @@ else
     REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --tests -- --show-output || failed+=("$name")
     REDIS_SERVER=$path "$python" -m pytest -q clients/python/tests || failed+=("$name (python)")
   done < <(scripts/servers.sh)
+  echo "== the Python client with the oldest redis-py it supports (5.0.8), on redis-7.0"
+  "$python_oldest" -m pytest -q clients/python/tests || failed+=("redis-py 5.0.8")
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then

@@ -13,7 +13,7 @@ import pytest
 from conftest import Server
 from qag_client import AsyncLimiter, Limiter, QagRefused
 
-TTL_MS = 300
+TTL_MS = 600
 
 
 def test_the_blocking_lease_guard(start_server: Callable[..., Server]) -> None:

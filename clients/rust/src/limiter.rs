@@ -11,7 +11,8 @@ use redis::aio::ConnectionLike;
 use redis::{cmd, Cmd, FromRedisValue, Value};
 
 use crate::decision::{
-    Admission, AnsweredBy, Decision, PairDecision, Per, Quota, QuotaDecision, QuotaUsage, Scope,
+    Admission, AnsweredBy, Decision, LeaseRefusal, PairDecision, Per, Quota, QuotaDecision,
+    QuotaUsage, Scope,
 };
 use crate::error::{classify, Error, Failure};
 use crate::lease::{Lease, LeaseGuard};
@@ -163,6 +164,17 @@ impl BucketCall {
     fn decision(&self, reply: &[i64], answered_by: AnsweredBy) -> Result<Decision, Error> {
         Decision::from_reply(reply, self.count, self.period, answered_by).map_err(Error::Server)
     }
+
+    fn local_decision(&self, verdict: bucket::Verdict) -> Decision {
+        Decision {
+            allowed: verdict.allowed,
+            limit: self.count,
+            period: self.period,
+            remaining: verdict.tokens_left.max(0) as u64,
+            retry_after: verdict.retry_after,
+            answered_by: AnsweredBy::Local,
+        }
+    }
 }
 
 /// A number as the module and the script read it back: the shortest exact decimal.
@@ -242,11 +254,10 @@ where
     ) -> Result<Decision, Error> {
         let call = BucketCall::new(key, count, period, cost)?;
         self.bucket_decision(
-            |buckets, now| [Some(take_locally(buckets, &call, now))],
+            |buckets, now| take_locally(buckets, &call, now),
             || self.take_remote(&call),
         )
         .await
-        .map(|[decision]| decision.expect("one bucket is always decided"))
     }
 
     /// Both buckets of a request: the client's, then, only if it allowed, the key's;
@@ -269,15 +280,11 @@ where
             |buckets, now| {
                 let client = take_locally(buckets, &client, now);
                 let key = client.allowed.then(|| take_locally(buckets, &key, now));
-                [Some(client), key]
+                PairDecision { client, key }
             },
             || self.take_pair_remote(&client, &key),
         )
         .await
-        .map(|[client, key]| PairDecision {
-            client: client.expect("the client bucket is always decided"),
-            key,
-        })
     }
 
     /// What `take` would answer now, writing nothing.
@@ -291,16 +298,11 @@ where
         let call = BucketCall::new(key, count, period, cost)?;
         self.bucket_decision(
             |buckets, now| {
-                let verdict = buckets.peek(&call.key, call.limit(), call.args.cost, now);
-                [Some(
-                    call.decision(&verdict.as_reply(), AnsweredBy::Local)
-                        .expect("qag-core answers a bucket reply"),
-                )]
+                call.local_decision(buckets.peek(&call.key, call.limit(), call.args.cost, now))
             },
             || self.peek_remote(&call),
         )
         .await
-        .map(|[decision]| decision.expect("one bucket is always decided"))
     }
 
     /// Takes a concurrency slot of `key` (at most `max` at once) for `id`, held for
@@ -329,7 +331,7 @@ where
                 id.to_owned(),
                 ttl,
             ))),
-            [0, live, retry] => Ok(Lease::Refused(crate::decision::LeaseRefusal {
+            [0, live, retry] => Ok(Lease::Refused(LeaseRefusal {
                 live: live.max(0) as u64,
                 retry_after: retry.max(0) as u64,
             })),
@@ -472,15 +474,11 @@ where
 
     /// Runs a bucket decision: locally during a back-off, else on Redis; a failure to
     /// reach Redis starts a back-off under the `Local` policy and is decided locally.
-    async fn bucket_decision<const N: usize, L, R, F>(
-        &self,
-        locally: L,
-        remote: R,
-    ) -> Result<[Option<Decision>; N], Error>
+    async fn bucket_decision<T, L, R, F>(&self, locally: L, remote: R) -> Result<T, Error>
     where
-        L: FnOnce(&mut LocalBuckets, f64) -> [Option<Decision>; N],
+        L: FnOnce(&mut LocalBuckets, f64) -> T,
         R: FnOnce() -> F,
-        F: std::future::Future<Output = Result<[Option<Decision>; N], Error>>,
+        F: std::future::Future<Output = Result<T, Error>>,
     {
         let OnUnavailable::Local { back_off } = self.options.on_unavailable else {
             return self.within_deadline(remote()).await;
@@ -509,10 +507,7 @@ where
         }
     }
 
-    fn decide_locally<const N: usize>(
-        &self,
-        locally: impl FnOnce(&mut LocalBuckets, f64) -> [Option<Decision>; N],
-    ) -> [Option<Decision>; N] {
+    fn decide_locally<T>(&self, locally: impl FnOnce(&mut LocalBuckets, f64) -> T) -> T {
         self.shared.local_decisions.fetch_add(1, Ordering::Relaxed);
         locally(&mut lock(&self.shared.back_off).buckets, unix_now())
     }
@@ -532,22 +527,22 @@ where
         answer
     }
 
-    async fn take_remote(&self, call: &BucketCall) -> Result<[Option<Decision>; 1], Error> {
+    async fn take_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
         if self.path().await? == Path::Module {
             let command = bucket_command("QAG.TAKE", call);
             match self.query::<Vec<i64>>(&command).await {
-                Ok(reply) => return Ok([Some(call.decision(&reply, AnsweredBy::Module)?)]),
+                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }
         }
-        Ok([Some(self.take_by_script(call).await?)])
+        self.take_by_script(call).await
     }
 
     async fn take_pair_remote(
         &self,
         client: &BucketCall,
         key: &BucketCall,
-    ) -> Result<[Option<Decision>; 2], Error> {
+    ) -> Result<PairDecision, Error> {
         if self.path().await? == Path::Module {
             let mut command = cmd("QAG.TAKE2");
             command
@@ -563,10 +558,10 @@ where
                     let key_decision = key_reply
                         .map(|reply| key.decision(&reply, AnsweredBy::Module))
                         .transpose()?;
-                    return Ok([
-                        Some(client.decision(&client_reply, AnsweredBy::Module)?),
-                        key_decision,
-                    ]);
+                    return Ok(PairDecision {
+                        client: client.decision(&client_reply, AnsweredBy::Module)?,
+                        key: key_decision,
+                    });
                 }
                 Err(failure) => self.module_failed(failure)?,
             }
@@ -577,14 +572,17 @@ where
         } else {
             None
         };
-        Ok([Some(client_decision), key_decision])
+        Ok(PairDecision {
+            client: client_decision,
+            key: key_decision,
+        })
     }
 
-    async fn peek_remote(&self, call: &BucketCall) -> Result<[Option<Decision>; 1], Error> {
+    async fn peek_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
         if self.path().await? == Path::Module {
             let command = bucket_command("QAG.PEEK", call);
             match self.query::<Vec<i64>>(&command).await {
-                Ok(reply) => return Ok([Some(call.decision(&reply, AnsweredBy::Module)?)]),
+                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }
         }
@@ -604,9 +602,7 @@ where
         let state = bucket::parse_state(fields.0.as_deref(), fields.1.as_deref());
         let now = bucket::seconds_from_micros(seconds.saturating_mul(1_000_000) + micros);
         let verdict = bucket::take(call.limit(), call.args.cost, state, now).verdict;
-        Ok([Some(
-            call.decision(&verdict.as_reply(), AnsweredBy::Script)?,
-        )])
+        call.decision(&verdict.as_reply(), AnsweredBy::Script)
     }
 
     async fn take_by_script(&self, call: &BucketCall) -> Result<Decision, Error> {
@@ -710,9 +706,7 @@ where
 }
 
 fn take_locally(buckets: &mut LocalBuckets, call: &BucketCall, now: f64) -> Decision {
-    let verdict = buckets.take(&call.key, call.limit(), call.args.cost, now);
-    call.decision(&verdict.as_reply(), AnsweredBy::Local)
-        .expect("qag-core answers a bucket reply")
+    call.local_decision(buckets.take(&call.key, call.limit(), call.args.cost, now))
 }
 
 fn bucket_command(name: &str, call: &BucketCall) -> Cmd {

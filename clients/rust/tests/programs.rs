@@ -40,7 +40,8 @@ fn the_take_example_prints_one_line() {
         });
         let url = format!("redis://127.0.0.1:{}/", server.port);
         let backend = if without_module { "script" } else { "module" };
-        let run = example("take", &[&url, "qag:k", "60", "60"]);
+        // A period long enough that nothing refills between the runs.
+        let run = example("take", &[&url, "qag:k", "60", "36000"]);
         assert!(run.status.success(), "{}", text(&run.stderr));
         assert_eq!(
             text(&run.stdout),
@@ -56,14 +57,17 @@ fn the_take_example_prints_one_line() {
                 &url,
                 "qag:k",
                 "60",
-                "60",
+                "36000",
             ],
         );
         assert_eq!(
             text(&run.stdout),
             "allowed=0 remaining=59 retry_after=-1 backend=script\n"
         );
-        let run = example("take", &["--backend", "module", &url, "qag:k", "60", "60"]);
+        let run = example(
+            "take",
+            &["--backend", "module", &url, "qag:k", "60", "36000"],
+        );
         if without_module {
             assert_eq!(run.status.code(), Some(1));
             assert!(
