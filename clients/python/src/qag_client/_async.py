@@ -80,7 +80,8 @@ class AsyncLimiter:
 
     async def aclose(self) -> None:
         if not self._cluster:
-            await self._client.aclose()
+            # A client made on a given pool leaves it open when closed: closed here.
+            await self._client.connection_pool.disconnect()
 
     @property
     def counting_locally(self) -> bool:

@@ -94,7 +94,8 @@ class Limiter:
     def close(self) -> None:
         """Closes the limiter's own connections."""
         if not self._cluster:
-            self._client.close()
+            # A client made on a given pool leaves it open when closed: closed here.
+            self._client.connection_pool.disconnect()
 
     @property
     def counting_locally(self) -> bool:
