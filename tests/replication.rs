@@ -101,14 +101,7 @@ fn an_expiry_that_does_not_move_is_not_replicated() {
     }
     let acked: i64 = cmd("WAIT").arg(1).arg(5000).query(&mut p).unwrap();
     assert_eq!(acked, 1, "the replica acknowledged the stream");
-    let mut applied = |command: &str| -> i64 {
-        let stats: String = cmd("INFO").arg("commandstats").query(&mut r).unwrap();
-        stats
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-            .and_then(|rest| rest.split(',').next())
-            .map_or(0, |n| n.parse().unwrap())
-    };
+    let mut applied = |command: &str| command_calls(&mut r, command);
     assert_eq!(applied("hset"), 3 * CALLS, "one HSET a call");
     // One per key, and one more for a key whose step or window ended during the run.
     let pexpireat = applied("pexpireat");

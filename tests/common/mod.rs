@@ -312,6 +312,17 @@ pub fn start_cluster(options: &ServerOptions) -> Vec<Server> {
     nodes
 }
 
+/// How many times the server ran `command` (lower case, e.g. `qag.take`), from
+/// INFO commandstats; 0 when never.
+pub fn command_calls(con: &mut Connection, command: &str) -> i64 {
+    let stats: String = cmd("INFO").arg("commandstats").query(con).unwrap();
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
 /// True when tests run against an external server; tests that need servers of their
 /// own say so and return.
 pub fn external(test: &str) -> bool {

@@ -119,9 +119,9 @@ pub fn headers(
             now,
         ));
     }
-    if limits.is_empty() {
+    let Some(tightest) = limits.iter().min_by_key(|limit| limit.restrictiveness()) else {
         return fields;
-    }
+    };
     let policy: Vec<String> = limits
         .iter()
         .map(|limit| match limit.window {
@@ -130,10 +130,6 @@ pub fn headers(
         })
         .collect();
     fields.push(("RateLimit-Policy", policy.join(", ")));
-    let tightest = limits
-        .iter()
-        .min_by_key(|limit| limit.restrictiveness())
-        .expect("limits is not empty");
     fields.push((
         "RateLimit",
         format!(

@@ -35,14 +35,6 @@ fn signal(which: &str, pid: u32) {
     assert!(status.success(), "kill {which} {pid}");
 }
 
-fn take_calls(con: &mut Connection) -> i64 {
-    let info: String = cmd("INFO").arg("commandstats").query(con).unwrap();
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_qag.take:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |calls| calls.parse().unwrap())
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stopped_server_gives_the_deadline_error_or_local_decisions() {
     if external("a_stopped_server_gives_the_deadline_error_or_local_decisions") {
@@ -127,7 +119,7 @@ async fn a_stopped_server_gives_the_deadline_error_or_local_decisions() {
     // Redis saw the two warm-up calls, the two sent before the deadlines passed (run
     // once the server continued) and the last one: none of the back-off's.
     let mut con = server.client().get_connection().unwrap();
-    assert_eq!(take_calls(&mut con), 5);
+    assert_eq!(command_calls(&mut con, "qag.take"), 5);
     assert_eq!(
         strict
             .take("qag:strict", 5, 3600.0, 1)

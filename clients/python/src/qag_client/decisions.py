@@ -69,6 +69,8 @@ class Decision:
 
     def seconds_to_full(self) -> int:
         """Seconds until the bucket is full again, as far as its whole tokens tell."""
+        if self.limit <= 0:  # only a Decision made by hand: the library's have a count
+            return 0
         missing = max(self.limit - self.remaining, 0)
         return math.ceil(missing * self.period / self.limit)
 
