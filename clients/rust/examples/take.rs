@@ -73,19 +73,15 @@ async fn main() -> ExitCode {
         }
     };
     let answer = async {
-        let client = redis::Client::open(call.url.as_str()).map_err(|e| e.to_string())?;
-        let con = client
-            .get_connection_manager()
-            .await
-            .map_err(|e| e.to_string())?;
         let options = Options {
             backend: call.backend,
             ..Options::default()
         };
-        Limiter::with_options(con, options)
+        // Connecting is part of the call: bounded by the same deadline.
+        Limiter::connect(&call.url, options)
+            .await?
             .take(&call.key, call.count, call.period, call.cost)
             .await
-            .map_err(|e| e.to_string())
     };
     match answer.await {
         Ok(decision) => {

@@ -13,6 +13,9 @@ pub enum AnsweredBy {
     /// This process's own memory, during a back-off after Redis failed
     /// ([`OnUnavailable::Local`](crate::OnUnavailable::Local)).
     Local,
+    /// Not counted: Redis failed and the caller lets the request through
+    /// ([`OnUnavailable::Forward`](crate::OnUnavailable::Forward)).
+    Forwarded,
 }
 
 impl AnsweredBy {
@@ -21,6 +24,7 @@ impl AnsweredBy {
             AnsweredBy::Module => "module",
             AnsweredBy::Script => "script",
             AnsweredBy::Local => "local",
+            AnsweredBy::Forwarded => "forwarded",
         }
     }
 }
@@ -157,14 +161,17 @@ pub struct QuotaDecision {
     pub rows_remaining: Option<u64>,
     /// The period's end, in Unix seconds.
     pub resets_at: i64,
+    pub answered_by: AnsweredBy,
 }
 
-/// QAG.QUOTA.ADD's and QAG.QUOTA.SEED's answer: the period's counts after the call.
+/// QAG.QUOTA.ADD's and QAG.QUOTA.SEED's answer: the period's counts after the call
+/// (0 when forwarded: nothing was counted).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QuotaUsage {
     pub calls: u64,
     pub rows: u64,
     pub resets_at: i64,
+    pub answered_by: AnsweredBy,
 }
 
 /// One scope of a sliding-window chain: its key and limits (0: no limit of that kind).
@@ -186,6 +193,14 @@ pub struct Admission {
     pub requests_remaining: Option<u64>,
     /// The same for tokens.
     pub tokens_remaining: Option<u64>,
+    pub answered_by: AnsweredBy,
+}
+
+/// QAG.RECORD's answer: how many scopes were charged (0 when forwarded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recorded {
+    pub charged: u64,
+    pub answered_by: AnsweredBy,
 }
 
 /// A lease that could not be taken: every slot is held.
@@ -193,7 +208,9 @@ pub struct Admission {
 pub struct LeaseRefusal {
     /// Live leases on the key.
     pub live: u64,
+    /// Whole seconds to wait before asking again (1: leases are released at any time).
     pub retry_after: u64,
+    pub answered_by: AnsweredBy,
 }
 
 fn non_negative(value: i64, what: &str) -> Result<u64, String> {
@@ -219,8 +236,25 @@ impl QuotaDecision {
                 rows_limit: quota.rows,
                 rows_remaining: rows.map(|n| non_negative(n, "rows")).transpose()?,
                 resets_at,
+                answered_by: AnsweredBy::Module,
             }),
             _ => Err(format!("a QAG.QUOTA reply, got {reply:?}")),
+        }
+    }
+
+    /// The check as it stands after the call's counts were added: what remains is
+    /// rendered from the usage QAG.QUOTA.ADD answered, so the last call the quota
+    /// allows reports 0 left. A forwarded usage (nothing counted) changes nothing.
+    pub fn after_add(&self, usage: &QuotaUsage) -> QuotaDecision {
+        if usage.answered_by == AnsweredBy::Forwarded {
+            return *self;
+        }
+        let left = |limit: Option<u64>, used: u64| limit.map(|limit| limit.saturating_sub(used));
+        QuotaDecision {
+            calls_remaining: left(self.calls_limit, usage.calls),
+            rows_remaining: left(self.rows_limit, usage.rows),
+            resets_at: usage.resets_at,
+            ..*self
         }
     }
 }
@@ -232,6 +266,7 @@ impl QuotaUsage {
                 calls: non_negative(calls, "calls")?,
                 rows: non_negative(rows, "rows")?,
                 resets_at,
+                answered_by: AnsweredBy::Module,
             }),
             _ => Err(format!("a QAG.QUOTA.ADD reply, got {reply:?}")),
         }
@@ -250,6 +285,7 @@ impl Admission {
                 retry_after: non_negative(retry, "retry_after")?,
                 requests_remaining: remaining_or_unlimited(requests)?,
                 tokens_remaining: remaining_or_unlimited(tokens)?,
+                answered_by: AnsweredBy::Module,
             }),
             _ => Err(format!("a QAG.ADMIT reply, got {reply:?}")),
         }
@@ -330,9 +366,21 @@ mod tests {
             QuotaUsage {
                 calls: 3,
                 rows: 250,
-                resets_at: 7
+                resets_at: 7,
+                answered_by: AnsweredBy::Module,
             }
         );
+        let after = decision.after_add(&QuotaUsage {
+            calls: 100,
+            rows: 5,
+            resets_at: 9,
+            answered_by: AnsweredBy::Module,
+        });
+        assert_eq!(
+            (after.calls_remaining, after.rows_remaining),
+            (Some(0), None)
+        );
+        assert_eq!((after.allowed, after.resets_at), (true, 9));
         let refused = Admission::from_reply(&[0, 2, 13, 0, -1]).unwrap();
         assert_eq!(refused.refused_by, Some(1));
         assert_eq!(refused.requests_remaining, Some(0));

@@ -1,22 +1,18 @@
-//! The thin layer that talks to Redis: which backend answers, the per-call deadline,
-//! the back-off of the `Local` policy, and the commands themselves.
+//! The thin layer that talks to Redis: the connection, which backend answers, the
+//! per-call deadline, and running every call under the outage policy. The commands of
+//! each family are in their own files (buckets, leases, quotas, windows).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use qag_core::args::ArgError;
-use qag_core::bucket::{self, Limit, TakeArgs};
-use redis::aio::ConnectionLike;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{cmd, Cmd, FromRedisValue, Value};
 
-use crate::decision::{
-    Admission, AnsweredBy, Decision, LeaseRefusal, PairDecision, Per, Quota, QuotaDecision,
-    QuotaUsage, Scope,
-};
+use crate::decision::AnsweredBy;
 use crate::error::{classify, Error, Failure};
-use crate::lease::{Lease, LeaseGuard};
-use crate::local::LocalBuckets;
+use crate::local::LocalState;
+use crate::policy::{Counts, OnUnavailable, Outage, Route};
 
 /// The repository's token-bucket script, compiled in: the module's contract, one text.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
@@ -34,32 +30,21 @@ pub enum Backend {
     Script,
 }
 
-/// What a token-bucket call does when Redis is unreachable or too slow.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum OnUnavailable {
-    /// Return the error ([`Error::Unavailable`] or [`Error::Timeout`]): the caller
-    /// forwards, fails open or fails closed.
-    #[default]
-    Error,
-    /// Decide in this process's memory for `back_off` without touching Redis, each
-    /// bucket starting full, then try Redis again.
-    Local { back_off: Duration },
-}
-
-impl OnUnavailable {
-    /// The gateway's documented rule: 5 s of local counting after a failure.
-    pub const LOCAL: OnUnavailable = OnUnavailable::Local {
-        back_off: Duration::from_secs(5),
-    };
-}
-
 /// How a [`Limiter`] behaves; `Options::default()` is what a gateway runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Options {
     pub backend: Backend,
-    /// Every call's deadline, detection and fallback included.
+    /// Every call's deadline: connecting, detection and fallback included.
     pub deadline: Duration,
+    /// What a call does when Redis fails, and during the back-off after it.
     pub on_unavailable: OnUnavailable,
+    /// How long Redis is left alone after a failure (zero: every call tries Redis).
+    /// When it ends, one call probes Redis; the others keep to the policy until the
+    /// probe has answered.
+    pub back_off: Duration,
+    /// This process's share of every limit under [`OnUnavailable::Local`]: 1/N for N
+    /// gateway processes keeps a fleet near its limits during an outage.
+    pub local_share: f64,
     /// How long a server found without the module is believed: after that, `Auto`
     /// asks again (the module may have been loaded in a rolling upgrade).
     pub recheck_missing_module: Duration,
@@ -70,7 +55,9 @@ impl Default for Options {
         Options {
             backend: Backend::Auto,
             deadline: Duration::from_millis(500),
-            on_unavailable: OnUnavailable::Error,
+            on_unavailable: OnUnavailable::Raise,
+            back_off: Duration::from_secs(5),
+            local_share: 1.0,
             recheck_missing_module: Duration::from_secs(10),
         }
     }
@@ -86,32 +73,26 @@ enum Presence {
 
 /// The path a call takes to Redis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
+pub(crate) enum Path {
     Module,
     Script,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     presence: Mutex<Presence>,
-    back_off: Mutex<BackOff>,
-    local_decisions: AtomicU64,
-    script: redis::Script,
-}
-
-#[derive(Default)]
-struct BackOff {
-    /// Set while buckets are counted locally; the back-off ends at this instant.
-    until: Option<Instant>,
-    buckets: LocalBuckets,
+    outage: Mutex<Outage>,
+    pub(crate) local: Mutex<LocalState>,
+    counts: Mutex<Counts>,
+    pub(crate) script: redis::Script,
 }
 
 /// A rate limiter over one connection (a `ConnectionManager`, a `MultiplexedConnection`
 /// or an async cluster connection). Cheap to clone: clones share what they know of the
-/// server and the local buckets.
+/// server, the back-off and the local counts.
 pub struct Limiter<C> {
-    con: C,
-    options: Options,
-    shared: Arc<Shared>,
+    pub(crate) con: C,
+    pub(crate) options: Options,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl<C: Clone> Clone for Limiter<C> {
@@ -124,87 +105,89 @@ impl<C: Clone> Clone for Limiter<C> {
     }
 }
 
-/// A bucket call's arguments, checked by the module's own parser.
-struct BucketCall {
-    key: String,
-    args: TakeArgs,
-    count: u64,
-    period: f64,
-    period_text: String,
-    cost: u64,
-}
-
-impl BucketCall {
-    fn new(key: &str, count: u64, period: f64, cost: u64) -> Result<BucketCall, Error> {
-        let period_text = number_text(period);
-        let (count_text, cost_text) = (count.to_string(), cost.to_string());
-        let words = [
-            "QAG.TAKE",
-            key,
-            &count_text,
-            &period_text,
-            "COST",
-            &cost_text,
-        ];
-        let args = check(|words| bucket::parse_take(words), &words)?;
-        Ok(BucketCall {
-            key: key.to_owned(),
-            args,
-            count,
-            period,
-            period_text,
-            cost,
-        })
-    }
-
-    fn limit(&self) -> Limit {
-        self.args.limit
-    }
-
-    fn decision(&self, reply: &[i64], answered_by: AnsweredBy) -> Result<Decision, Error> {
-        Decision::from_reply(reply, self.count, self.period, answered_by).map_err(Error::Server)
-    }
-
-    fn local_decision(&self, verdict: bucket::Verdict) -> Decision {
-        Decision {
-            allowed: verdict.allowed,
-            limit: self.count,
-            period: self.period,
-            remaining: verdict.tokens_left.max(0) as u64,
-            retry_after: verdict.retry_after,
-            answered_by: AnsweredBy::Local,
-        }
+impl<C> std::fmt::Debug for Limiter<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("options", &self.options)
+            .field("counts", &*lock(&self.shared.counts))
+            .finish_non_exhaustive()
     }
 }
 
-/// A number as the module and the script read it back: the shortest exact decimal.
-fn number_text(value: f64) -> String {
-    if value.is_finite() {
-        qag_core::number::format_number(&mut ryu::Buffer::new(), value).to_owned()
-    } else {
-        // Refused by the parser with the module's message.
-        value.to_string()
+/// What a call answers, and how it was made (for [`Limiter::counts`]).
+pub(crate) trait Answer {
+    fn answered_by(&self) -> Option<AnsweredBy>;
+}
+
+impl Answer for bool {
+    fn answered_by(&self) -> Option<AnsweredBy> {
+        None
     }
 }
 
-fn invalid(error: ArgError) -> Error {
-    let text = error.to_string();
-    Error::InvalidArgument(text.strip_prefix("ERR ").unwrap_or(&text).to_owned())
+impl Answer for u64 {
+    fn answered_by(&self) -> Option<AnsweredBy> {
+        None
+    }
 }
 
-fn unix_now() -> f64 {
-    let micros = SystemTime::now()
+/// What answers a call that does not reach Redis, under the `Forward` and `Local`
+/// policies; the family's closure answers None where it has nothing to answer (then the
+/// outage's error is returned).
+pub(crate) enum Instead<'a> {
+    Forward,
+    Local {
+        state: &'a mut LocalState,
+        /// Unix microseconds.
+        now_micros: i64,
+        share: f64,
+    },
+}
+
+pub(crate) fn unix_micros() -> i64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_micros() as i64);
-    bucket::seconds_from_micros(micros)
+        .map_or(0, |since| since.as_micros() as i64)
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // The guarded values stay consistent at every await-free step: a panic elsewhere
     // leaves nothing half-written.
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The probe's turn, given back if the probe's future is dropped before Redis answered.
+struct ProbeTurn<'a> {
+    outage: &'a Mutex<Outage>,
+    probe: bool,
+}
+
+impl Drop for ProbeTurn<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            lock(self.outage).probe_abandoned();
+        }
+    }
+}
+
+impl Limiter<ConnectionManager> {
+    /// A limiter on its own `ConnectionManager` for `url` that connects on first use, so
+    /// a gateway starts while Redis is down. Connecting and reconnecting are bounded by
+    /// the deadline, like every call. Call it inside a tokio runtime.
+    pub async fn connect(url: &str, options: Options) -> Result<Limiter<ConnectionManager>, Error> {
+        let client = redis::Client::open(url)
+            .map_err(|error| Error::InvalidArgument(format!("redis URL {url:?}: {error}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.deadline))
+            .set_response_timeout(Some(options.deadline))
+            // One reconnect attempt per failure: the limiter's back-off paces the rest.
+            .set_number_of_retries(1);
+        let con = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|error| failure_error(classify(&error)))?;
+        Ok(Limiter::with_options(con, options))
+    }
 }
 
 impl<C> Limiter<C>
@@ -221,8 +204,9 @@ where
             options,
             shared: Arc::new(Shared {
                 presence: Mutex::new(Presence::Unknown),
-                back_off: Mutex::new(BackOff::default()),
-                local_decisions: AtomicU64::new(0),
+                outage: Mutex::new(Outage::default()),
+                local: Mutex::new(LocalState::default()),
+                counts: Mutex::new(Counts::default()),
                 script: redis::Script::new(TOKEN_BUCKET_LUA),
             }),
         }
@@ -232,284 +216,99 @@ where
         self.options
     }
 
-    /// True while token buckets are decided in this process (a back-off is running).
+    /// True while Redis is left alone after a failure (a back-off runs or its probe is
+    /// out): calls are answered by the policy.
+    pub fn backing_off(&self) -> bool {
+        lock(&self.shared.outage).backing_off(Instant::now())
+    }
+
+    /// True while calls are decided in this process (`Local`, backing off).
     pub fn counting_locally(&self) -> bool {
-        lock(&self.shared.back_off)
-            .until
-            .is_some_and(|until| Instant::now() < until)
+        self.options.on_unavailable == OnUnavailable::Local && self.backing_off()
     }
 
-    /// How many bucket decisions were made locally since the limiter was built.
+    /// How many calls were decided locally since the limiter was built.
     pub fn local_decisions(&self) -> u64 {
-        self.shared.local_decisions.load(Ordering::Relaxed)
+        lock(&self.shared.counts).local
     }
 
-    /// Takes `cost` tokens from the bucket at `key` (`count` per `period` seconds).
-    pub async fn take(
+    /// How calls were answered since the limiter was built, and how many failed.
+    pub fn counts(&self) -> Counts {
+        *lock(&self.shared.counts)
+    }
+
+    /// A failure nobody awaits (a background release or renewal): counted and logged.
+    pub(crate) fn background_failure(&self, what: &str, error: &Error) {
+        lock(&self.shared.counts).errors += 1;
+        log::warn!(target: "qag_client", "{what} failed: {error}");
+    }
+
+    /// Runs one call under the outage policy: to Redis within the deadline unless a
+    /// back-off runs; an outage starts a back-off and is answered by the policy.
+    pub(crate) async fn run<T: Answer>(
         &self,
-        key: &str,
-        count: u64,
-        period: f64,
-        cost: u64,
-    ) -> Result<Decision, Error> {
-        let call = BucketCall::new(key, count, period, cost)?;
-        self.bucket_decision(
-            |buckets, now| take_locally(buckets, &call, now),
-            || self.take_remote(&call),
-        )
-        .await
-    }
-
-    /// Both buckets of a request: the client's, then, only if it allowed, the key's;
-    /// `cost` from each. QAG.TAKE2 where the module is, else the script on the client
-    /// bucket and, if it allowed, on the key bucket (two round trips).
-    #[allow(clippy::too_many_arguments)]
-    pub async fn take_pair(
-        &self,
-        client_key: &str,
-        client_count: u64,
-        client_period: f64,
-        key_key: &str,
-        key_count: u64,
-        key_period: f64,
-        cost: u64,
-    ) -> Result<PairDecision, Error> {
-        let client = BucketCall::new(client_key, client_count, client_period, cost)?;
-        let key = BucketCall::new(key_key, key_count, key_period, cost)?;
-        self.bucket_decision(
-            |buckets, now| {
-                let client = take_locally(buckets, &client, now);
-                let key = client.allowed.then(|| take_locally(buckets, &key, now));
-                PairDecision { client, key }
-            },
-            || self.take_pair_remote(&client, &key),
-        )
-        .await
-    }
-
-    /// What `take` would answer now, writing nothing.
-    pub async fn peek(
-        &self,
-        key: &str,
-        count: u64,
-        period: f64,
-        cost: u64,
-    ) -> Result<Decision, Error> {
-        let call = BucketCall::new(key, count, period, cost)?;
-        self.bucket_decision(
-            |buckets, now| {
-                call.local_decision(buckets.peek(&call.key, call.limit(), call.args.cost, now))
-            },
-            || self.peek_remote(&call),
-        )
-        .await
-    }
-
-    /// Takes a concurrency slot of `key` (at most `max` at once) for `id`, held for
-    /// `ttl` and renewed every `ttl / 3` by the returned guard until it is released or
-    /// dropped. Module only.
-    pub async fn lease(
-        &self,
-        key: &str,
-        max: u64,
-        ttl: Duration,
-        id: &str,
-    ) -> Result<Lease<C>, Error> {
-        let ttl_ms = ttl.as_millis().to_string();
-        let max = max.to_string();
-        check(
-            |words| qag_core::lease::parse_lease(words),
-            &["QAG.LEASE", key, &max, &ttl_ms, id],
-        )?;
-        let reply: Vec<i64> = self
-            .module_call(cmd("QAG.LEASE").arg(key).arg(&max).arg(&ttl_ms).arg(id))
-            .await?;
-        match *reply {
-            [1, _, _] => Ok(Lease::Held(LeaseGuard::start(
-                self.clone(),
-                key.to_owned(),
-                id.to_owned(),
-                ttl,
-            ))),
-            [0, live, retry] => Ok(Lease::Refused(LeaseRefusal {
-                live: live.max(0) as u64,
-                retry_after: retry.max(0) as u64,
-            })),
-            _ => Err(Error::Server(format!("a QAG.LEASE reply, got {reply:?}"))),
-        }
-    }
-
-    /// Extends `id`'s lease to now + `ttl`; false when the lease is gone.
-    pub async fn renew(&self, key: &str, id: &str, ttl: Duration) -> Result<bool, Error> {
-        let ttl_ms = ttl.as_millis().to_string();
-        check(
-            |words| qag_core::lease::parse_renew(words),
-            &["QAG.RENEW", key, id, &ttl_ms],
-        )?;
-        let renewed: i64 = self
-            .module_call(cmd("QAG.RENEW").arg(key).arg(id).arg(&ttl_ms))
-            .await?;
-        Ok(renewed == 1)
-    }
-
-    /// Frees `id`'s slot; false when it held none.
-    pub async fn release(&self, key: &str, id: &str) -> Result<bool, Error> {
-        check(
-            |words| qag_core::lease::parse_release(words),
-            &["QAG.RELEASE", key, id],
-        )?;
-        let released: i64 = self
-            .module_call(cmd("QAG.RELEASE").arg(key).arg(id))
-            .await?;
-        Ok(released == 1)
-    }
-
-    /// The live leases of `key`.
-    pub async fn leases(&self, key: &str) -> Result<u64, Error> {
-        check(
-            |words| qag_core::lease::parse_leases(words),
-            &["QAG.LEASES", key],
-        )?;
-        let live: i64 = self.module_call(cmd("QAG.LEASES").arg(key)).await?;
-        Ok(live.max(0) as u64)
-    }
-
-    /// The check before a call: whether `quota` allows one more. Module only.
-    pub async fn quota_check(&self, key: &str, quota: &Quota) -> Result<QuotaDecision, Error> {
-        let mut words = vec!["QAG.QUOTA".to_owned(), key.to_owned()];
-        words.extend(quota_words(quota.per, &quota.zone));
-        let limits = [("CALLS", quota.calls), ("ROWS", quota.rows)];
-        for (name, limit) in limits {
-            if let Some(limit) = limit {
-                words.extend([name.to_owned(), limit.to_string()]);
+        remote: impl std::future::Future<Output = Result<T, Error>>,
+        instead: impl FnOnce(Instead<'_>) -> Option<T>,
+    ) -> Result<T, Error> {
+        let route = lock(&self.shared.outage).route(Instant::now());
+        let answer = match route {
+            Route::Policy => {
+                let cause = lock(&self.shared.outage).backing_off_error();
+                self.answer_instead(instead, cause)
             }
-        }
-        check(|words| qag_core::quota::parse_quota(words), &words)?;
-        let reply: Vec<Option<i64>> = self.module_call(&command(&words)).await?;
-        QuotaDecision::from_reply(&reply, quota).map_err(Error::Server)
-    }
-
-    /// The count after a call: adds `calls` and `rows` to the current period.
-    pub async fn quota_add(
-        &self,
-        key: &str,
-        per: Per,
-        zone: &str,
-        calls: u64,
-        rows: u64,
-    ) -> Result<QuotaUsage, Error> {
-        self.quota_count("QAG.QUOTA.ADD", key, per, zone, calls, rows)
-            .await
-    }
-
-    /// Seeds the current period from the gateway's durable store (each count becomes
-    /// the larger of Redis's and the seed).
-    pub async fn quota_seed(
-        &self,
-        key: &str,
-        per: Per,
-        zone: &str,
-        calls: u64,
-        rows: u64,
-    ) -> Result<QuotaUsage, Error> {
-        self.quota_count("QAG.QUOTA.SEED", key, per, zone, calls, rows)
-            .await
-    }
-
-    async fn quota_count(
-        &self,
-        command_name: &str,
-        key: &str,
-        per: Per,
-        zone: &str,
-        calls: u64,
-        rows: u64,
-    ) -> Result<QuotaUsage, Error> {
-        let mut words = vec![command_name.to_owned(), key.to_owned()];
-        words.extend(quota_words(per, zone));
-        words.extend([
-            "CALLS".into(),
-            calls.to_string(),
-            "ROWS".into(),
-            rows.to_string(),
-        ]);
-        check(|words| qag_core::quota::parse_quota(words), &words)?;
-        let reply: Vec<i64> = self.module_call(&command(&words)).await?;
-        QuotaUsage::from_reply(&reply).map_err(Error::Server)
-    }
-
-    /// Admits a request through every scope of a chain (requests and tokens per
-    /// window, default 60 s), charging one request to each when admitted. Module only.
-    pub async fn admit(&self, scopes: &[Scope], window: Option<u32>) -> Result<Admission, Error> {
-        let mut words = vec!["QAG.ADMIT".to_owned(), scopes.len().to_string()];
-        for scope in scopes {
-            words.extend([
-                scope.key.clone(),
-                scope.rpm.to_string(),
-                scope.tpm.to_string(),
-            ]);
-        }
-        push_window(&mut words, window);
-        check(|words| qag_core::window::parse_admit(words), &words)?;
-        let reply: Vec<i64> = self.module_call(&command(&words)).await?;
-        Admission::from_reply(&reply).map_err(Error::Server)
-    }
-
-    /// Charges `tokens` to every scope's current window after the response; answers
-    /// the number of scopes charged.
-    pub async fn record(
-        &self,
-        keys: &[&str],
-        tokens: u64,
-        window: Option<u32>,
-    ) -> Result<u64, Error> {
-        let mut words = vec!["QAG.RECORD".to_owned(), keys.len().to_string()];
-        words.extend(keys.iter().map(|key| key.to_string()));
-        words.push(tokens.to_string());
-        push_window(&mut words, window);
-        check(|words| qag_core::window::parse_record(words), &words)?;
-        let charged: i64 = self.module_call(&command(&words)).await?;
-        Ok(charged.max(0) as u64)
-    }
-
-    /// Runs a bucket decision: locally during a back-off, else on Redis; a failure to
-    /// reach Redis starts a back-off under the `Local` policy and is decided locally.
-    async fn bucket_decision<T, L, R, F>(&self, locally: L, remote: R) -> Result<T, Error>
-    where
-        L: FnOnce(&mut LocalBuckets, f64) -> T,
-        R: FnOnce() -> F,
-        F: std::future::Future<Output = Result<T, Error>>,
-    {
-        let OnUnavailable::Local { back_off } = self.options.on_unavailable else {
-            return self.within_deadline(remote()).await;
-        };
-        let backing_off = lock(&self.shared.back_off)
-            .until
-            .is_some_and(|until| Instant::now() < until);
-        if backing_off {
-            return Ok(self.decide_locally(locally));
-        }
-        match self.within_deadline(remote()).await {
-            Err(error) if error.is_unavailable() => {
-                lock(&self.shared.back_off).until = Some(Instant::now() + back_off);
-                Ok(self.decide_locally(locally))
-            }
-            answer => {
-                if answer.is_ok() {
-                    let mut state = lock(&self.shared.back_off);
-                    if state.until.take().is_some() {
-                        // Redis answers again: the next outage starts every bucket full.
-                        state.buckets.clear();
+            Route::Redis { probe } => {
+                let mut turn = ProbeTurn {
+                    outage: &self.shared.outage,
+                    probe,
+                };
+                let answer = self.within_deadline(remote).await;
+                turn.probe = false;
+                match answer {
+                    Err(error) if error.is_unavailable() => {
+                        lock(&self.shared.outage).failed(
+                            probe,
+                            Instant::now(),
+                            self.options.back_off,
+                            &error,
+                        );
+                        self.answer_instead(instead, error)
+                    }
+                    answer => {
+                        if lock(&self.shared.outage).answered(probe) {
+                            lock(&self.shared.local).clear();
+                        }
+                        answer
                     }
                 }
-                answer
             }
+        };
+        let mut counts = lock(&self.shared.counts);
+        match &answer {
+            Ok(answer) => {
+                if let Some(by) = answer.answered_by() {
+                    counts.count(by);
+                }
+            }
+            Err(_) => counts.errors += 1,
         }
+        answer
     }
 
-    fn decide_locally<T>(&self, locally: impl FnOnce(&mut LocalBuckets, f64) -> T) -> T {
-        self.shared.local_decisions.fetch_add(1, Ordering::Relaxed);
-        locally(&mut lock(&self.shared.back_off).buckets, unix_now())
+    fn answer_instead<T>(
+        &self,
+        instead: impl FnOnce(Instead<'_>) -> Option<T>,
+        cause: Error,
+    ) -> Result<T, Error> {
+        let answer = match self.options.on_unavailable {
+            OnUnavailable::Raise => None,
+            OnUnavailable::Forward => instead(Instead::Forward),
+            OnUnavailable::Local => instead(Instead::Local {
+                state: &mut lock(&self.shared.local),
+                now_micros: unix_micros(),
+                share: self.options.local_share,
+            }),
+        };
+        answer.ok_or(cause)
     }
 
     /// Bounds a call by the deadline; a server that failed to answer is asked again
@@ -527,101 +326,9 @@ where
         answer
     }
 
-    async fn take_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
-        if self.path().await? == Path::Module {
-            let command = bucket_command("QAG.TAKE", call);
-            match self.query::<Vec<i64>>(&command).await {
-                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
-                Err(failure) => self.module_failed(failure)?,
-            }
-        }
-        self.take_by_script(call).await
-    }
-
-    async fn take_pair_remote(
-        &self,
-        client: &BucketCall,
-        key: &BucketCall,
-    ) -> Result<PairDecision, Error> {
-        if self.path().await? == Path::Module {
-            let mut command = cmd("QAG.TAKE2");
-            command
-                .arg(&client.key)
-                .arg(client.count)
-                .arg(&client.period_text)
-                .arg(&key.key)
-                .arg(key.count)
-                .arg(&key.period_text);
-            push_cost(&mut command, client.cost);
-            match self.query::<(Vec<i64>, Option<Vec<i64>>)>(&command).await {
-                Ok((client_reply, key_reply)) => {
-                    let key_decision = key_reply
-                        .map(|reply| key.decision(&reply, AnsweredBy::Module))
-                        .transpose()?;
-                    return Ok(PairDecision {
-                        client: client.decision(&client_reply, AnsweredBy::Module)?,
-                        key: key_decision,
-                    });
-                }
-                Err(failure) => self.module_failed(failure)?,
-            }
-        }
-        let client_decision = self.take_by_script(client).await?;
-        let key_decision = if client_decision.allowed {
-            Some(self.take_by_script(key).await?)
-        } else {
-            None
-        };
-        Ok(PairDecision {
-            client: client_decision,
-            key: key_decision,
-        })
-    }
-
-    async fn peek_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
-        if self.path().await? == Path::Module {
-            let command = bucket_command("QAG.PEEK", call);
-            match self.query::<Vec<i64>>(&command).await {
-                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
-                Err(failure) => self.module_failed(failure)?,
-            }
-        }
-        // Without the module: the hash and the server's clock, read in one round trip,
-        // computed with the module's arithmetic.
-        let mut pipe = redis::pipe();
-        pipe.cmd("TIME")
-            .cmd("HMGET")
-            .arg(&call.key)
-            .arg("tokens")
-            .arg("ts");
-        type Fields = (Option<Vec<u8>>, Option<Vec<u8>>);
-        let ((seconds, micros), fields): ((i64, i64), Fields) = pipe
-            .query_async(&mut self.con.clone())
-            .await
-            .map_err(|error| failure_error(classify(&error)))?;
-        let state = bucket::parse_state(fields.0.as_deref(), fields.1.as_deref());
-        let now = bucket::seconds_from_micros(seconds.saturating_mul(1_000_000) + micros);
-        let verdict = bucket::take(call.limit(), call.args.cost, state, now).verdict;
-        call.decision(&verdict.as_reply(), AnsweredBy::Script)
-    }
-
-    async fn take_by_script(&self, call: &BucketCall) -> Result<Decision, Error> {
-        let reply: Vec<i64> = self
-            .shared
-            .script
-            .key(&call.key)
-            .arg(call.count)
-            .arg(&call.period_text)
-            .arg(call.cost)
-            .invoke_async(&mut self.con.clone())
-            .await
-            .map_err(|error| failure_error(classify(&error)))?;
-        call.decision(&reply, AnsweredBy::Script)
-    }
-
     /// A module command failed: a missing command means the module is gone from this
     /// server; `Auto` goes on with the script, `Module` reports it.
-    fn module_failed(&self, failure: Failure) -> Result<(), Error> {
+    pub(crate) fn module_failed(&self, failure: Failure) -> Result<(), Error> {
         match failure {
             Failure::UnknownCommand => {
                 self.note_missing();
@@ -637,24 +344,21 @@ where
 
     /// A command of a family without a script: ModuleRequired where the module is
     /// known missing or turns out missing.
-    async fn module_call<T: FromRedisValue>(&self, command: &Cmd) -> Result<T, Error> {
-        self.within_deadline(async {
-            if self.options.backend == Backend::Script || self.path().await? == Path::Script {
-                return Err(Error::ModuleRequired);
+    pub(crate) async fn module_call<T: FromRedisValue>(&self, command: &Cmd) -> Result<T, Error> {
+        if self.options.backend == Backend::Script || self.path().await? == Path::Script {
+            return Err(Error::ModuleRequired);
+        }
+        self.query(command).await.map_err(|failure| match failure {
+            Failure::UnknownCommand => {
+                self.note_missing();
+                Error::ModuleRequired
             }
-            self.query(command).await.map_err(|failure| match failure {
-                Failure::UnknownCommand => {
-                    self.note_missing();
-                    Error::ModuleRequired
-                }
-                Failure::Error(error) => error,
-            })
+            Failure::Error(error) => error,
         })
-        .await
     }
 
     /// Which path a bucket call takes now.
-    async fn path(&self) -> Result<Path, Error> {
+    pub(crate) async fn path(&self) -> Result<Path, Error> {
         match self.options.backend {
             Backend::Module => return Ok(Path::Module),
             Backend::Script => return Ok(Path::Script),
@@ -697,7 +401,7 @@ where
         };
     }
 
-    async fn query<T: FromRedisValue>(&self, command: &Cmd) -> Result<T, Failure> {
+    pub(crate) async fn query<T: FromRedisValue>(&self, command: &Cmd) -> Result<T, Failure> {
         command
             .query_async(&mut self.con.clone())
             .await
@@ -705,54 +409,29 @@ where
     }
 }
 
-fn take_locally(buckets: &mut LocalBuckets, call: &BucketCall, now: f64) -> Decision {
-    call.local_decision(buckets.take(&call.key, call.limit(), call.args.cost, now))
-}
-
-fn bucket_command(name: &str, call: &BucketCall) -> Cmd {
-    let mut command = cmd(name);
-    command
-        .arg(&call.key)
-        .arg(call.count)
-        .arg(&call.period_text);
-    push_cost(&mut command, call.cost);
-    command
-}
-
-/// `COST n`, left out for the default 1 (less for the server to read).
-fn push_cost(command: &mut Cmd, cost: u64) {
-    if cost != 1 {
-        command.arg("COST").arg(cost);
-    }
-}
-
 /// An unknown command where none was expected is an error like any other.
-fn failure_error(failure: Failure) -> Error {
+pub(crate) fn failure_error(failure: Failure) -> Error {
     match failure {
         Failure::UnknownCommand => Error::ModuleRequired,
         Failure::Error(error) => error,
     }
 }
 
-fn quota_words(per: Per, zone: &str) -> [String; 4] {
-    ["PER".into(), per.as_str().into(), "TZ".into(), zone.into()]
-}
-
-fn push_window(words: &mut Vec<String>, window: Option<u32>) {
-    if let Some(window) = window {
-        words.extend(["WINDOW".into(), window.to_string()]);
+pub(crate) fn command(words: &[String]) -> Cmd {
+    let mut command = Cmd::new();
+    for word in words {
+        command.arg(word);
     }
-}
-
-fn command(words: &[String]) -> Cmd {
-    let (name, args) = words.split_first().expect("a command has a name");
-    let mut command = cmd(name);
-    command.arg(args);
     command
 }
 
+fn invalid(error: ArgError) -> Error {
+    let text = error.to_string();
+    Error::InvalidArgument(text.strip_prefix("ERR ").unwrap_or(&text).to_owned())
+}
+
 /// Checks a command's words with the module's own parser before anything is sent.
-fn check<T, S: AsRef<str>>(
+pub(crate) fn check<T, S: AsRef<str>>(
     parse: impl FnOnce(&[&[u8]]) -> Result<T, ArgError>,
     words: &[S],
 ) -> Result<T, Error> {

@@ -1,14 +1,45 @@
-//! Token buckets in this process's memory, for the back-off after Redis failed
-//! ([`OnUnavailable::Local`](crate::OnUnavailable::Local)): each bucket starts full and
-//! is counted with the module's own arithmetic (qag-core's bucket), so a limit stays
-//! enforced per process rather than lifted. Plain code: the clock is an argument.
+//! Counting in this process's memory, for the back-off after Redis failed
+//! ([`OnUnavailable::Local`](crate::OnUnavailable::Local)): token buckets (each starting
+//! full, counted with the module's own arithmetic), leases, quotas (from the last count
+//! this process saw plus its own adds) and sliding windows (the module's arithmetic on
+//! this process's counts). Every limit is scaled by the process's share of it, so a fleet
+//! of N processes with a share of 1/N stays near the limit during an outage. Plain code:
+//! the clock is an argument.
 
 use std::collections::HashMap;
 
 use qag_core::bucket::{self, Limit, State, Verdict};
+use qag_core::quota::{self, Usage};
+use qag_core::window::{self, Clock, Counters};
 
-/// Buckets tracked before full ones are dropped (a full bucket reads as a missing one).
+/// Keys tracked per kind before stale ones are dropped.
 const PRUNE_ABOVE: usize = 100_000;
+
+/// A process's part of a limit: `max(1, floor(limit × share))`.
+pub fn share_of(limit: u64, share: f64) -> u64 {
+    ((limit as f64 * share).floor() as u64).clamp(1, limit.max(1))
+}
+
+/// Everything one limiter counts locally. Buckets, leases and windows live through a
+/// back-off and are dropped when Redis answers again; the quota counts seen from Redis
+/// are kept (they are what local quota decisions start from).
+#[derive(Default)]
+pub struct LocalState {
+    pub buckets: LocalBuckets,
+    pub leases: LocalLeases,
+    pub quotas: LocalQuotas,
+    pub windows: LocalWindows,
+}
+
+impl LocalState {
+    /// Redis answers again: the next outage starts from what Redis says then.
+    pub fn clear(&mut self) {
+        self.buckets.clear();
+        self.leases.live.clear();
+        self.quotas.forget_adds();
+        self.windows.scopes.clear();
+    }
+}
 
 #[derive(Default)]
 pub struct LocalBuckets {
@@ -55,6 +86,216 @@ impl LocalBuckets {
     }
 }
 
+/// Live leases per key, counted by this process alone.
+#[derive(Default)]
+pub struct LocalLeases {
+    live: HashMap<String, u64>,
+}
+
+impl LocalLeases {
+    /// Takes a slot when fewer than `max` are held here; else the live count.
+    pub fn acquire(&mut self, key: &str, max: u64) -> Result<(), u64> {
+        let live = self.live.entry(key.to_owned()).or_default();
+        if *live < max {
+            *live += 1;
+            Ok(())
+        } else {
+            Err(*live)
+        }
+    }
+
+    pub fn release(&mut self, key: &str) {
+        if let Some(live) = self.live.get_mut(key) {
+            *live = live.saturating_sub(1);
+            if *live == 0 {
+                self.live.remove(key);
+            }
+        }
+    }
+
+    pub fn live(&self, key: &str) -> u64 {
+        self.live.get(key).copied().unwrap_or(0)
+    }
+}
+
+/// What this process knows of a quota key: the counts Redis last answered for a period
+/// (until `resets_at`, Unix seconds), and what it added locally since.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct QuotaCounts {
+    resets_at: i64,
+    seen: Usage,
+    added: Usage,
+}
+
+/// A local quota answer: whether allowed, the remaining calls and rows (for the limits
+/// given), and the period's end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalQuota {
+    pub allowed: bool,
+    pub calls_remaining: Option<u64>,
+    pub rows_remaining: Option<u64>,
+    pub used: Usage,
+    pub resets_at: i64,
+}
+
+#[derive(Default)]
+pub struct LocalQuotas {
+    keys: HashMap<String, QuotaCounts>,
+}
+
+impl LocalQuotas {
+    /// Redis answered these counts (None: not told) for the period ending at
+    /// `resets_at`, `now` in Unix seconds.
+    pub fn saw(
+        &mut self,
+        key: &str,
+        calls: Option<i64>,
+        rows: Option<i64>,
+        resets_at: i64,
+        now: i64,
+    ) {
+        if self.keys.len() >= PRUNE_ABOVE && !self.keys.contains_key(key) {
+            self.keys.retain(|_, counts| counts.resets_at > now);
+        }
+        let counts = self.current(key, resets_at);
+        counts.seen = Usage {
+            calls: calls.unwrap_or(counts.seen.calls),
+            rows: rows.unwrap_or(counts.seen.rows),
+        };
+        counts.added = Usage::default();
+    }
+
+    /// The counts of the period ending at `resets_at` (the period of `now`): nothing
+    /// seen or added when what is kept belongs to an earlier period.
+    fn current(&mut self, key: &str, resets_at: i64) -> &mut QuotaCounts {
+        let counts = self.keys.entry(key.to_owned()).or_default();
+        if counts.resets_at != resets_at {
+            *counts = QuotaCounts {
+                resets_at,
+                ..QuotaCounts::default()
+            };
+        }
+        counts
+    }
+
+    /// Whether one more call fits: this process's adds since the last count seen stay
+    /// below its share of what that count left, `floor((limit − seen) × share)`.
+    pub fn check(
+        &mut self,
+        key: &str,
+        limits: quota::Limits,
+        resets_at: i64,
+        share: f64,
+    ) -> LocalQuota {
+        let counts = *self.current(key, resets_at);
+        let allowance = |limit: Option<i64>, seen: i64| {
+            limit.map(|limit| seen + ((limit - seen).max(0) as f64 * share).floor() as i64)
+        };
+        let used = quota::add(counts.seen, counts.added).unwrap_or(Usage {
+            calls: i64::MAX,
+            rows: i64::MAX,
+        });
+        let local_limits = quota::Limits {
+            calls: allowance(limits.calls, counts.seen.calls),
+            rows: allowance(limits.rows, counts.seen.rows),
+        };
+        let check = quota::check(used, local_limits);
+        LocalQuota {
+            allowed: check.allowed,
+            calls_remaining: check.calls_remaining.map(|n| n.max(0) as u64),
+            rows_remaining: check.rows_remaining.map(|n| n.max(0) as u64),
+            used,
+            resets_at,
+        }
+    }
+
+    /// Adds a call's counts locally (or, for a seed, raises the count seen).
+    pub fn add(&mut self, key: &str, counts: Usage, seed: bool, resets_at: i64) -> Usage {
+        let kept = self.current(key, resets_at);
+        if seed {
+            kept.seen = quota::seed(kept.seen, counts);
+        } else {
+            kept.added = quota::add(kept.added, counts).unwrap_or(kept.added);
+        }
+        quota::add(kept.seen, kept.added).unwrap_or(kept.seen)
+    }
+
+    fn forget_adds(&mut self) {
+        for counts in self.keys.values_mut() {
+            counts.added = Usage::default();
+        }
+    }
+}
+
+/// One scope's counts in this process, in windows of its length.
+#[derive(Clone, Copy, Debug, Default)]
+struct WindowCounts {
+    window: i64,
+    counters: Counters,
+}
+
+impl WindowCounts {
+    /// The counters as of `clock`'s window: the last window's become the previous ones.
+    fn at(&mut self, clock: &Clock) -> &mut Counters {
+        let window = clock.window();
+        if window != self.window {
+            let previous = if window == self.window + 1 {
+                (self.counters.requests, self.counters.tokens)
+            } else {
+                (0, 0)
+            };
+            self.window = window;
+            self.counters = Counters {
+                previous_requests: previous.0,
+                previous_tokens: previous.1,
+                ..Counters::default()
+            };
+        }
+        &mut self.counters
+    }
+}
+
+#[derive(Default)]
+pub struct LocalWindows {
+    scopes: HashMap<(String, i64), WindowCounts>,
+}
+
+impl LocalWindows {
+    /// QAG.ADMIT's decision on this process's counts, limits already scaled.
+    pub fn admit(&mut self, scopes: &[(&str, window::Limits)], clock: &Clock) -> window::Admission {
+        if self.scopes.len() >= PRUNE_ABOVE {
+            let current = clock.window();
+            self.scopes.retain(|_, counts| counts.window >= current - 1);
+        }
+        let counted: Vec<(window::Limits, Counters)> = scopes
+            .iter()
+            .map(|(key, limits)| (*limits, *self.scope(key, clock)))
+            .collect();
+        let admission = window::admit(&counted, clock);
+        if admission.admitted {
+            for (key, _) in scopes {
+                self.scope(key, clock).requests += 1;
+            }
+        }
+        admission
+    }
+
+    /// Charges `tokens` to every scope's current window.
+    pub fn record(&mut self, keys: &[&str], tokens: i64, clock: &Clock) {
+        for key in keys {
+            let counters = self.scope(key, clock);
+            counters.tokens = counters.tokens.saturating_add(tokens);
+        }
+    }
+
+    fn scope(&mut self, key: &str, clock: &Clock) -> &mut Counters {
+        self.scopes
+            .entry((key.to_owned(), clock.window_micros))
+            .or_default()
+            .at(clock)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,6 +329,98 @@ mod tests {
             local.take("k", FIVE_A_MINUTE, 1, 1000.0).as_reply(),
             [1, 4, 0]
         );
+    }
+
+    #[test]
+    fn a_share_is_floored_and_never_below_one() {
+        assert_eq!(share_of(60, 0.25), 15);
+        assert_eq!(share_of(2, 1.0 / 3.0), 1);
+        assert_eq!(share_of(7, 1.0), 7);
+        assert_eq!(share_of(0, 0.5), 1);
+    }
+
+    #[test]
+    fn leases_are_counted_per_key_up_to_the_max() {
+        let mut leases = LocalLeases::default();
+        assert_eq!(leases.acquire("k", 2), Ok(()));
+        assert_eq!(leases.acquire("k", 2), Ok(()));
+        assert_eq!(leases.acquire("k", 2), Err(2));
+        assert_eq!(leases.acquire("other", 2), Ok(()));
+        leases.release("k");
+        assert_eq!(leases.live("k"), 1);
+        assert_eq!(leases.acquire("k", 2), Ok(()));
+        leases.release("gone");
+        assert_eq!(leases.live("gone"), 0);
+    }
+
+    const CALLS_10: quota::Limits = quota::Limits {
+        calls: Some(10),
+        rows: None,
+    };
+
+    #[test]
+    fn a_quota_counts_from_the_last_count_seen_plus_local_adds() {
+        let mut quotas = LocalQuotas::default();
+        let ends = 2_000;
+        quotas.saw("q", Some(7), None, ends, 1_000);
+        for left in [2, 1, 0] {
+            let check = quotas.check("q", CALLS_10, ends, 1.0);
+            assert!(check.allowed);
+            let used = quotas.add("q", Usage { calls: 1, rows: 5 }, false, ends);
+            assert_eq!(used.calls, 10 - left);
+        }
+        let check = quotas.check("q", CALLS_10, ends, 1.0);
+        assert!(!check.allowed);
+        assert_eq!(check.calls_remaining, Some(0));
+        // A share of a half: half of the 3 left, floored.
+        quotas.forget_adds();
+        let mut allowed = 0;
+        while quotas.check("q", CALLS_10, ends, 0.5).allowed {
+            quotas.add("q", Usage { calls: 1, rows: 0 }, false, ends);
+            allowed += 1;
+        }
+        assert_eq!(allowed, 1);
+        // A new period forgets the old one's counts.
+        let next = quotas.check("q", CALLS_10, ends + 86_400, 1.0);
+        assert_eq!(next.calls_remaining, Some(10));
+        // A seed raises the count seen, never lowers it.
+        let used = quotas.add("q", Usage { calls: 4, rows: 0 }, true, ends + 86_400);
+        assert_eq!(used.calls, 4);
+        let used = quotas.add("q", Usage { calls: 2, rows: 0 }, true, ends + 86_400);
+        assert_eq!(used.calls, 4);
+    }
+
+    #[test]
+    fn a_quota_never_seen_counts_from_zero() {
+        let mut quotas = LocalQuotas::default();
+        let check = quotas.check("new", CALLS_10, 5_000, 1.0);
+        assert!(check.allowed);
+        assert_eq!(check.calls_remaining, Some(10));
+        assert_eq!(check.resets_at, 5_000);
+    }
+
+    #[test]
+    fn windows_admit_with_the_module_arithmetic_on_local_counts() {
+        let mut windows = LocalWindows::default();
+        let limits = window::Limits { rpm: 3, tpm: 100 };
+        let clock = Clock::new(60, 600_000_000);
+        for _ in 0..3 {
+            assert!(windows.admit(&[("s", limits)], &clock).admitted);
+        }
+        let refused = windows.admit(&[("s", limits)], &clock);
+        assert!(!refused.admitted);
+        assert_eq!(refused.refused_by, 1);
+        // Half way through the next window, the previous one weighs half: 1.5 + 1 ≤ 3.
+        let later = Clock::new(60, 690_000_000);
+        assert!(windows.admit(&[("s", limits)], &later).admitted);
+        assert!(!windows.admit(&[("s", limits)], &later).admitted);
+        // Tokens recorded count against tpm.
+        windows.record(&["t"], 100, &clock);
+        let tokens = window::Limits { rpm: 0, tpm: 100 };
+        assert!(!windows.admit(&[("t", tokens)], &clock).admitted);
+        // Two windows later nothing weighs.
+        let much_later = Clock::new(60, 720_000_000);
+        assert!(windows.admit(&[("t", tokens)], &much_later).admitted);
     }
 
     #[test]

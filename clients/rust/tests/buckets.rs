@@ -127,8 +127,18 @@ async fn without_the_module_auto_runs_the_script_and_module_is_an_error() {
         Err(Error::ModuleRequired)
     );
     assert_eq!(
-        auto.quota_add("qag:q", qag_client::Per::Day, "UTC", 1, 0)
-            .await,
+        auto.quota_add(
+            "qag:q",
+            &qag_client::Quota {
+                per: qag_client::Per::Day,
+                zone: "UTC".into(),
+                calls: Some(10),
+                rows: None
+            },
+            1,
+            0
+        )
+        .await,
         Err(Error::ModuleRequired)
     );
     // Bad arguments are refused before anything is sent, with the module's words.
@@ -290,10 +300,13 @@ async fn auto_follows_a_restart_without_and_with_the_module() {
     let server = start(false, None);
     let port = server.port;
     // Believe a missing module for long: only the reconnect may make Auto ask again.
+    // No back-off: the call after a restart goes to Redis (the subject here is the
+    // backend, not the outage policy).
     let auto = Limiter::with_options(
         manager(&server).await,
         Options {
             recheck_missing_module: Duration::from_secs(3600),
+            back_off: Duration::ZERO,
             ..Options::default()
         },
     );

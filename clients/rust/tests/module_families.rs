@@ -7,7 +7,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use qag_client::{Backend, Error, Lease, Limiter, Options, Per, Quota, Scope};
+use qag_client::{
+    AnsweredBy, Backend, Error, Lease, Limiter, Options, Per, Quota, Recorded, Scope,
+};
 use redis::aio::MultiplexedConnection;
 
 async fn limiter(server: &Server) -> Limiter<MultiplexedConnection> {
@@ -114,25 +116,19 @@ async fn quotas_and_windows_are_typed() {
         (before.calls_remaining, before.rows_remaining),
         (Some(2), Some(1000))
     );
-    let usage = limiter
-        .quota_add("qag:q", Per::Month, "Europe/Berlin", 1, 250)
-        .await
-        .unwrap();
+    let usage = limiter.quota_add("qag:q", &quota, 1, 250).await.unwrap();
     assert_eq!(
         (usage.calls, usage.rows, usage.resets_at),
         (1, 250, before.resets_at)
     );
-    let seeded = limiter
-        .quota_seed("qag:q", Per::Month, "Europe/Berlin", 2, 100)
-        .await
-        .unwrap();
+    let seeded = limiter.quota_seed("qag:q", &quota, 2, 100).await.unwrap();
     assert_eq!((seeded.calls, seeded.rows), (2, 250));
     let after = limiter.quota_check("qag:q", &quota).await.unwrap();
     assert!(!after.allowed);
     assert_eq!(after.calls_remaining, Some(0));
     let bad_zone = Quota {
         zone: "Mars/Olympus".into(),
-        ..quota
+        ..quota.clone()
     };
     assert!(matches!(
         limiter.quota_check("qag:q", &bad_zone).await,
@@ -162,7 +158,13 @@ async fn quotas_and_windows_are_typed() {
     assert_eq!(second.refused_by, Some(1));
     assert!(second.retry_after >= 1);
     let keys = ["qag:win:{a}:org", "qag:win:{a}:key"];
-    assert_eq!(limiter.record(&keys, 700, None).await, Ok(2));
+    assert_eq!(
+        limiter.record(&keys, 700, None).await,
+        Ok(Recorded {
+            charged: 2,
+            answered_by: AnsweredBy::Module
+        })
+    );
 
     // A server of a client that uses the script only has no quota: ModuleRequired.
     let script_only = Limiter::with_options(

@@ -1,5 +1,8 @@
-//! A server that stops answering (SIGSTOP): the deadline error within the deadline, and
-//! under the `Local` policy, local decisions during the back-off and Redis's after it.
+//! Load and failure, as a gateway meets them: many concurrent calls on a healthy server
+//! (never read as an outage), a stopped server (SIGSTOP) under each policy (one deadline
+//! per back-off for every family, local counting that never multiplies a limit), a
+//! stalled server (DEBUG SLEEP) during a lease acquire or release (no slot stranded), and
+//! renewals that fail (the lease reported lost).
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -8,21 +11,30 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use qag_client::{AnsweredBy, Error, Limiter, OnUnavailable, Options};
+use qag_client::{
+    AnsweredBy, Error, Headers, Lease, Limiter, OnUnavailable, Options, Per, Quota, Scope,
+};
+use redis::aio::ConnectionManager;
 
 /// A stopped server, continued when the test ends however it ends.
-struct Stopped(u32);
+struct Stopped(Option<u32>);
 
 impl Stopped {
     fn new(server: &Server) -> Stopped {
         signal("-STOP", server.pid());
-        Stopped(server.pid())
+        Stopped(Some(server.pid()))
+    }
+
+    fn resume(&mut self) {
+        if let Some(pid) = self.0.take() {
+            signal("-CONT", pid);
+        }
     }
 }
 
 impl Drop for Stopped {
     fn drop(&mut self) {
-        signal("-CONT", self.0);
+        self.resume();
     }
 }
 
@@ -35,97 +47,461 @@ fn signal(which: &str, pid: u32) {
     assert!(status.success(), "kill {which} {pid}");
 }
 
+const DEADLINE: Duration = Duration::from_millis(500);
+
+async fn limiter(server: &Server, options: Options) -> Limiter<ConnectionManager> {
+    let url = format!("redis://127.0.0.1:{}/", server.port);
+    Limiter::connect(&url, options).await.unwrap()
+}
+
+fn policy(on_unavailable: OnUnavailable) -> Options {
+    Options {
+        on_unavailable,
+        ..Options::default()
+    }
+}
+
+/// A server that lets this machine's clients run DEBUG (SLEEP, for stalls) and MODULE.
+fn debuggable() -> ServerOptions {
+    ServerOptions {
+        extra: [
+            "--enable-debug-command",
+            "local",
+            "--enable-module-command",
+            "local",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..ServerOptions::default()
+    }
+}
+
+/// Blocks the server for `seconds` from another thread (DEBUG SLEEP), returning when the
+/// command is surely running; the handle ends when the server answers again.
+fn stall(server: &Server, seconds: f64) -> std::thread::JoinHandle<Instant> {
+    let mut con = server.client().get_connection().unwrap();
+    let handle = std::thread::spawn(move || {
+        let _: () = cmd("DEBUG")
+            .arg("SLEEP")
+            .arg(seconds)
+            .query(&mut con)
+            .unwrap();
+        Instant::now()
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    handle
+}
+
+/// Polls QAG.LEASES until it is 0; the instant it was.
+fn leases_back_to_zero(server: &Server, key: &str, within: Duration) -> Instant {
+    let mut con = server.client().get_connection().unwrap();
+    let until = Instant::now() + within;
+    loop {
+        let live: i64 = cmd("QAG.LEASES").arg(key).query(&mut con).unwrap();
+        if live == 0 {
+            return Instant::now();
+        }
+        assert!(Instant::now() < until, "{key} still holds {live} leases");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn a_stopped_server_gives_the_deadline_error_or_local_decisions() {
-    if external("a_stopped_server_gives_the_deadline_error_or_local_decisions") {
+async fn a_thousand_concurrent_calls_are_not_an_outage() {
+    if external("a_thousand_concurrent_calls_are_not_an_outage") {
         return;
     }
     let server = Server::start(&ServerOptions::default());
-    let connect = || async { server.client().get_connection_manager().await.unwrap() };
-    let deadline = Duration::from_millis(500);
-    let back_off = Duration::from_secs(2);
-    let strict = Limiter::new(connect().await);
-    let local = Limiter::with_options(
-        connect().await,
-        Options {
-            on_unavailable: OnUnavailable::Local { back_off },
-            ..Options::default()
-        },
-    );
-    assert_eq!(strict.options().deadline, deadline, "the default deadline");
-    // Both know the server has the module before it stops.
-    for limiter in [&strict, &local] {
-        let decision = limiter.take("qag:warm", 5, 3600.0, 1).await.unwrap();
+    let limiter = limiter(&server, policy(OnUnavailable::Local)).await;
+    let calls = (0..1000).map(|_| {
+        let limiter = limiter.clone();
+        tokio::spawn(async move { limiter.take("qag:busy", 50, 36000.0, 1).await })
+    });
+    let mut allowed = 0;
+    for call in calls.collect::<Vec<_>>() {
+        let decision = call.await.unwrap().unwrap();
         assert_eq!(decision.answered_by, AnsweredBy::Module);
+        allowed += u64::from(decision.allowed);
     }
+    // A refill of 50 per 10 h adds nothing within the test.
+    assert_eq!(allowed, 50);
+    let counts = limiter.counts();
+    assert_eq!((counts.module, counts.local, counts.errors), (1000, 0, 0));
+}
 
-    let stopped = Stopped::new(&server);
-    let started = Instant::now();
-    let answer = strict.take("qag:strict", 5, 3600.0, 1).await;
-    let waited = started.elapsed();
-    assert_eq!(answer, Err(Error::Timeout));
-    assert!(
-        waited >= deadline && waited < deadline + Duration::from_millis(100),
-        "answered after {waited:?}"
-    );
+/// One request of a gateway: both buckets, a quota check, a slot, a window admission,
+/// then the quota's add and the window's record. Ok(true) when it was let through.
+async fn request(limiter: &Limiter<ConnectionManager>, n: u32) -> Result<bool, Error> {
+    let pair = limiter
+        .take_pair(
+            "qag:ratelimit:client:1000/60:203.0.113.9",
+            1000,
+            60.0,
+            "qag:ratelimit:key:1000/60:acme~partner",
+            1000,
+            60.0,
+            1,
+        )
+        .await?;
+    let quota = Quota {
+        per: Per::Month,
+        zone: "UTC".into(),
+        calls: Some(100_000),
+        rows: None,
+    };
+    let check = limiter
+        .quota_check("qag:quota:acme~partner", &quota)
+        .await?;
+    let guard = match limiter
+        .lease(
+            "qag:running:acme~partner",
+            100,
+            Duration::from_secs(30),
+            &format!("req-{n}"),
+        )
+        .await?
+    {
+        Lease::Held(guard) => guard,
+        Lease::Refused(_) => return Ok(false),
+    };
+    let scopes = [Scope {
+        key: "qag:win:acme".into(),
+        rpm: 100_000,
+        tpm: 0,
+    }];
+    let admission = limiter.admit(&scopes, None).await?;
+    drop(guard);
+    limiter
+        .quota_add("qag:quota:acme~partner", &quota, 1, 0)
+        .await?;
+    limiter.record(&["qag:win:acme"], 10, None).await?;
+    Ok(pair.allowed() && check.allowed && admission.admitted)
+}
 
-    // Local: the failed call and the back-off's calls are decided in memory, the
-    // bucket of 5 starting full and refusing the sixth.
-    let mut decisions = Vec::new();
-    for _ in 0..6 {
-        let started = Instant::now();
-        let decision = local.take("qag:local", 5, 3600.0, 1).await.unwrap();
-        decisions.push((decision.allowed, decision.remaining, decision.answered_by));
-        if decisions.len() > 1 {
-            assert!(
-                started.elapsed() < Duration::from_millis(50),
-                "a call in the back-off waited on Redis"
-            );
+#[tokio::test(flavor = "multi_thread")]
+async fn an_outage_costs_one_deadline_per_back_off_under_every_policy() {
+    if external("an_outage_costs_one_deadline_per_back_off_under_every_policy") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let policies = [
+        OnUnavailable::Raise,
+        OnUnavailable::Forward,
+        OnUnavailable::Local,
+    ];
+    let mut limiters = Vec::new();
+    for on_unavailable in policies {
+        let limiter = limiter(&server, policy(on_unavailable)).await;
+        assert_eq!(request(&limiter, 0).await, Ok(true), "{on_unavailable:?}");
+        limiters.push(limiter);
+    }
+    let mut stopped = Stopped::new(&server);
+    let stop = Instant::now();
+    let runs = limiters.iter().cloned().map(|limiter| {
+        tokio::spawn(async move {
+            let mut times = Vec::new();
+            let mut answers = Vec::new();
+            let mut n = 1;
+            while stop.elapsed() < Duration::from_millis(3800) {
+                let started = Instant::now();
+                answers.push(request(&limiter, n).await);
+                times.push(started.elapsed());
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (times, answers)
+        })
+    });
+    let runs: Vec<_> = runs.collect();
+    let mut results = Vec::new();
+    for run in runs {
+        results.push(run.await.unwrap());
+    }
+    stopped.resume();
+    let resumed = Instant::now();
+    for ((times, answers), on_unavailable) in results.iter().zip(policies) {
+        assert!(
+            times.len() > 20,
+            "{on_unavailable:?}: {} requests",
+            times.len()
+        );
+        assert!(
+            times[0] >= DEADLINE && times[0] < DEADLINE + Duration::from_millis(100),
+            "{on_unavailable:?}: the first request took {:?}",
+            times[0]
+        );
+        let slowest = times[1..].iter().max().unwrap();
+        assert!(
+            *slowest < Duration::from_millis(5),
+            "{on_unavailable:?}: a request in the back-off took {slowest:?}"
+        );
+        match on_unavailable {
+            OnUnavailable::Raise => {
+                assert!(answers.iter().all(|answer| answer.is_err()));
+                assert_eq!(answers[0], Err(Error::Timeout));
+                assert!(
+                    matches!(&answers[1], Err(Error::Unavailable(why)) if why.contains("backing off"))
+                );
+            }
+            _ => assert!(answers.iter().all(|answer| answer == &Ok(true))),
         }
     }
-    let expected: Vec<_> = [
-        (true, 4),
-        (true, 3),
-        (true, 2),
-        (true, 1),
-        (true, 0),
-        (false, 0),
-    ]
-    .into_iter()
-    .map(|(allowed, left)| (allowed, left, AnsweredBy::Local))
-    .collect();
-    assert_eq!(decisions, expected);
-    assert!(local.counting_locally());
-    assert_eq!(local.local_decisions(), 6);
-    let pair = local
-        .take_pair("qag:local", 5, 3600.0, "qag:other", 5, 3600.0, 1)
-        .await
-        .unwrap();
-    assert_eq!(pair.client.answered_by, AnsweredBy::Local);
-    assert!(
-        !pair.allowed() && pair.key.is_none(),
-        "the client bucket is spent"
-    );
-
-    drop(stopped);
-    let until = Instant::now() + back_off + Duration::from_secs(1);
-    while local.counting_locally() {
-        assert!(Instant::now() < until, "the back-off never ended");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let forward = limiters[1].counts();
+    assert!(forward.forwarded >= 6 * (results[1].0.len() as u64));
+    let local = limiters[2].counts();
+    assert!(local.local >= 6 * (results[2].0.len() as u64));
+    // After SIGCONT, Redis answers again within one back-off (5 s from the stop).
+    for (limiter, on_unavailable) in limiters.iter().zip(policies) {
+        loop {
+            let answer = limiter.take("qag:after", 10, 60.0, 1).await;
+            if matches!(answer, Ok(decision) if decision.answered_by == AnsweredBy::Module) {
+                break;
+            }
+            assert!(
+                resumed.elapsed() < Duration::from_secs(5),
+                "{on_unavailable:?}: Redis is still left alone"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!limiter.backing_off());
+        assert_eq!(request(limiter, 9999).await, Ok(true));
     }
-    let after = local.take("qag:local", 5, 3600.0, 1).await.unwrap();
-    assert_eq!(after.answered_by, AnsweredBy::Module);
-    assert_eq!(local.local_decisions(), 7);
-    // Redis saw the two warm-up calls, the two sent before the deadlines passed (run
-    // once the server continued) and the last one: none of the back-off's.
-    let mut con = server.client().get_connection().unwrap();
-    assert_eq!(command_calls(&mut con, "qag.take"), 5);
-    assert_eq!(
-        strict
-            .take("qag:strict", 5, 3600.0, 1)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn local_counting_never_multiplies_a_limit() {
+    if external("local_counting_never_multiplies_a_limit") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let options = Options {
+        on_unavailable: OnUnavailable::Local,
+        local_share: 0.5,
+        ..Options::default()
+    };
+    let limiter = limiter(&server, options).await;
+    // Known to have the module, 10 of 10 left in Redis.
+    assert!(limiter.peek("qag:other", 10, 36000.0, 1).await.is_ok());
+    let _stopped = Stopped::new(&server);
+    // 200 calls in flight when the server stops: all fail together, and share one set of
+    // local buckets, half of 10 with the share of a half.
+    let calls: Vec<_> = (0..200)
+        .map(|_| {
+            let limiter = limiter.clone();
+            tokio::spawn(async move { limiter.take("qag:shared", 10, 36000.0, 1).await })
+        })
+        .collect();
+    let mut allowed = 0;
+    for call in calls {
+        let decision = call.await.unwrap().unwrap();
+        assert_eq!(decision.answered_by, AnsweredBy::Local);
+        allowed += u64::from(decision.allowed);
+    }
+    assert_eq!(allowed, 5);
+    // Later failures in the back-off find the same buckets: nothing refilled by a failure.
+    for _ in 0..50 {
+        assert!(
+            !limiter
+                .take("qag:shared", 10, 36000.0, 1)
+                .await
+                .unwrap()
+                .allowed
+        );
+    }
+    // Leases and windows are this process's share too.
+    let mut held = Vec::new();
+    for n in 0..4 {
+        match limiter
+            .lease("qag:slots", 4, Duration::from_secs(30), &n.to_string())
             .await
             .unwrap()
-            .answered_by,
-        AnsweredBy::Module
-    );
+        {
+            Lease::Held(guard) => {
+                assert_eq!(guard.answered_by(), AnsweredBy::Local);
+                held.push(guard)
+            }
+            Lease::Refused(refusal) => assert!(n >= 2 && refusal.live == 2),
+        }
+    }
+    assert_eq!(held.len(), 2);
+    assert_eq!(limiter.leases("qag:slots").await, Ok(2));
+    held.pop();
+    assert_eq!(limiter.leases("qag:slots").await, Ok(1));
+    let scope = [Scope {
+        key: "qag:win".into(),
+        rpm: 6,
+        tpm: 0,
+    }];
+    let admitted = {
+        let mut admitted = 0;
+        for _ in 0..10 {
+            admitted += u32::from(limiter.admit(&scope, None).await.unwrap().admitted);
+        }
+        admitted
+    };
+    assert_eq!(admitted, 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_acquire_that_times_out_or_is_cancelled_strands_no_slot() {
+    if external("a_lease_acquire_that_times_out_or_is_cancelled_strands_no_slot") {
+        return;
+    }
+    let server = Server::start(&debuggable());
+    let ttl = Duration::from_secs(60);
+    for cancelled in [false, true] {
+        let limiter = limiter(&server, Options::default()).await;
+        assert_eq!(limiter.leases("qag:warm").await, Ok(0));
+        let key = format!("qag:running:{cancelled}");
+        let stalled = stall(&server, 1.0);
+        if cancelled {
+            // A client that disconnects: the request's future is dropped after 20 ms.
+            let call = tokio::time::timeout(
+                Duration::from_millis(20),
+                limiter.lease(&key, 1, ttl, "req-1"),
+            );
+            assert!(call.await.is_err(), "the acquire answered under a stall");
+        } else {
+            let started = Instant::now();
+            let answer = limiter.lease(&key, 1, ttl, "req-1").await;
+            assert!(matches!(answer, Err(Error::Timeout)), "{answer:?}");
+            assert!(started.elapsed() < DEADLINE + Duration::from_millis(100));
+        }
+        let answering = tokio::task::spawn_blocking(move || stalled.join().unwrap())
+            .await
+            .unwrap();
+        let free = leases_back_to_zero(&server, &key, Duration::from_secs(2));
+        assert!(
+            free.duration_since(answering) < Duration::from_secs(1),
+            "cancelled={cancelled}: the slot was freed {:?} after the server answered",
+            free.duration_since(answering)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_release_that_fails_never_fails_the_request() {
+    if external("a_release_that_fails_never_fails_the_request") {
+        return;
+    }
+    let server = Server::start(&debuggable());
+    let limiter = limiter(&server, Options::default()).await;
+    let ttl = Duration::from_millis(600);
+    // Dropped during a short stall: released once the server answers.
+    let Lease::Held(guard) = limiter.lease("qag:r", 2, ttl, "a").await.unwrap() else {
+        panic!("refused")
+    };
+    let stalled = stall(&server, 0.3);
+    drop(guard);
+    tokio::task::spawn_blocking(move || stalled.join().unwrap())
+        .await
+        .unwrap();
+    leases_back_to_zero(&server, "qag:r", Duration::from_millis(400));
+    assert_eq!(limiter.counts().errors, 0);
+    // Dropped while the server is stopped for longer than the TTL: no panic, nothing
+    // raised; the failure is counted once the lease has run out by itself.
+    let Lease::Held(guard) = limiter.lease("qag:r", 2, ttl, "b").await.unwrap() else {
+        panic!("refused")
+    };
+    let stopped = Stopped::new(&server);
+    drop(guard);
+    tokio::time::sleep(ttl + DEADLINE + Duration::from_millis(200)).await;
+    drop(stopped);
+    assert_eq!(limiter.counts().errors, 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failing_renewals_report_the_lease_lost_within_its_ttl() {
+    if external("failing_renewals_report_the_lease_lost_within_its_ttl") {
+        return;
+    }
+    let ttl = Duration::from_millis(600);
+    for cause in ["module unloaded", "NOPERM"] {
+        let server = Server::start(&debuggable());
+        let limiter = limiter(&server, Options::default()).await;
+        let Lease::Held(mut guard) = limiter.lease("qag:l", 2, ttl, "a").await.unwrap() else {
+            panic!("refused")
+        };
+        let mut con = server.client().get_connection().unwrap();
+        let broken = Instant::now();
+        if cause == "NOPERM" {
+            let _: () = cmd("ACL")
+                .arg("SETUSER")
+                .arg("default")
+                .arg("-qag.renew")
+                .query(&mut con)
+                .unwrap();
+        } else {
+            let _: () = cmd("MODULE")
+                .arg("UNLOAD")
+                .arg("qag")
+                .query(&mut con)
+                .unwrap();
+        }
+        tokio::time::timeout(ttl, guard.lost())
+            .await
+            .unwrap_or_else(|_| panic!("{cause}: not lost within {ttl:?}"));
+        assert!(guard.is_lost() && broken.elapsed() < ttl);
+        let expected = if cause == "NOPERM" {
+            matches!(guard.last_error(), Some(Error::Permission(_)))
+        } else {
+            guard.last_error() == Some(Error::ModuleRequired)
+        };
+        assert!(expected, "{cause}: {:?}", guard.last_error());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_headers_count_down_to_zero_then_refuse() {
+    if external("quota_headers_count_down_to_zero_then_refuse") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let limiter = limiter(&server, Options::default()).await;
+    let quota = Quota {
+        per: Per::Day,
+        zone: "UTC".into(),
+        calls: Some(3),
+        rows: None,
+    };
+    let mut rendered = Vec::new();
+    for _ in 0..4 {
+        let check = limiter.quota_check("qag:q3", &quota).await.unwrap();
+        let shown = if check.allowed {
+            let usage = limiter.quota_add("qag:q3", &quota, 1, 0).await.unwrap();
+            check.after_add(&usage)
+        } else {
+            check
+        };
+        let map = Headers::new().quota(&shown).header_map();
+        rendered.push((
+            map["x-quota-remaining-calls"].to_str().unwrap().to_owned(),
+            map.contains_key("retry-after"),
+        ));
+    }
+    let expected = [("2", false), ("1", false), ("0", false), ("0", true)];
+    let expected: Vec<_> = expected.map(|(n, r)| (n.to_owned(), r)).to_vec();
+    assert_eq!(rendered, expected);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_address_across_several_keys_is_limited_by_its_own_bucket() {
+    if external("one_address_across_several_keys_is_limited_by_its_own_bucket") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let limiter = limiter(&server, Options::default()).await;
+    let per_ip = qag_client::bucket_key("client", 5, 3600.0, "203.0.113.9", None);
+    let mut allowed = 0;
+    for key in ["acme~a", "acme~b", "acme~c"] {
+        let per_key = qag_client::bucket_key("key", 100, 3600.0, key, None);
+        for _ in 0..5 {
+            let pair = limiter
+                .take_pair(&per_ip, 5, 3600.0, &per_key, 100, 3600.0, 1)
+                .await
+                .unwrap();
+            allowed += u32::from(pair.allowed());
+        }
+    }
+    assert_eq!(allowed, 5);
 }

@@ -24,6 +24,15 @@ fn example(name: &str, args: &[&str]) -> Output {
         .expect("run cargo")
 }
 
+fn signal(server: &Server, which: &str) {
+    let status = Command::new("kill")
+        .arg(which)
+        .arg(server.pid().to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -83,6 +92,28 @@ fn the_take_example_prints_one_line() {
         assert_eq!(run.status.code(), Some(1));
         assert!(text(&run.stderr).contains("count must be an integer"));
     }
+    // A server that accepts connections but never answers: the deadline (0.5 s) covers
+    // connecting, so the program ends within it.
+    let server = Server::start(&ServerOptions::default());
+    let url = format!("redis://127.0.0.1:{}/", server.port);
+    example("take", &["--help"]); // built before it is timed
+    let program = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| repository_root().join("target"), Into::into)
+        .join("debug/examples/take");
+    signal(&server, "-STOP");
+    let started = std::time::Instant::now();
+    let run = Command::new(&program)
+        .args([&url, "qag:k", "60", "36000"])
+        .output()
+        .expect("run the take example");
+    let took = started.elapsed();
+    signal(&server, "-CONT");
+    assert_eq!(run.status.code(), Some(1), "{}", text(&run.stderr));
+    assert!(text(&run.stderr).contains("did not answer in time"));
+    assert!(
+        took < std::time::Duration::from_millis(600),
+        "exited after {took:?}"
+    );
     let usage = example("take", &["--backend", "lua"]);
     assert_eq!(usage.status.code(), Some(2));
     assert!(text(&usage.stderr).contains("usage: take"));
@@ -105,7 +136,9 @@ fn the_gateway_example_runs_and_is_the_readmes() {
     let run = example("gateway", &[&format!("redis://127.0.0.1:{}/", server.port)]);
     assert!(run.status.success(), "{}", text(&run.stderr));
     assert!(
-        text(&run.stdout).starts_with("200 [(\"X-RateLimit-Limit\", \"10\")"),
+        text(&run.stdout)
+            .starts_with("200 {\"x-ratelimit-limit\": \"20\", \"x-ratelimit-remaining\": \"19\", ")
+            && text(&run.stdout).contains("\"x-quota-remaining-calls\": \"99999\""),
         "{}",
         text(&run.stdout)
     );

@@ -1,9 +1,9 @@
 //! The cases both clients must agree on (clients/shared_cases.json): bucket names,
 //! header fields, and local bucket arithmetic, the last checked against qag-core.
 
-use qag_client::decision::{AnsweredBy, Decision, QuotaDecision};
+use qag_client::decision::{AnsweredBy, Decision, LeaseRefusal, QuotaDecision, QuotaUsage};
 use qag_client::local::LocalBuckets;
-use qag_client::{bucket_key, headers};
+use qag_client::{bucket_key, Headers};
 use serde_json::Value;
 
 fn cases() -> Value {
@@ -28,7 +28,11 @@ fn bucket(value: &Value) -> Option<Decision> {
         period: value["period"].as_f64().unwrap(),
         remaining: u64_of(&value["remaining"]),
         retry_after: value["retry_after"].as_i64().unwrap(),
-        answered_by: AnsweredBy::Module,
+        answered_by: match value["answered_by"].as_str() {
+            None | Some("module") => AnsweredBy::Module,
+            Some("forwarded") => AnsweredBy::Forwarded,
+            Some(other) => panic!("answered_by {other}"),
+        },
     })
 }
 
@@ -41,6 +45,26 @@ fn quota(value: &Value) -> Option<QuotaDecision> {
         rows_limit: optional_u64(&value["rows_limit"]),
         rows_remaining: optional_u64(&value["rows_remaining"]),
         resets_at: value["resets_at"].as_i64().unwrap(),
+        answered_by: AnsweredBy::Module,
+    })
+}
+
+fn usage(value: &Value) -> Option<QuotaUsage> {
+    value.as_object()?;
+    Some(QuotaUsage {
+        calls: u64_of(&value["calls"]),
+        rows: u64_of(&value["rows"]),
+        resets_at: value["resets_at"].as_i64().unwrap(),
+        answered_by: AnsweredBy::Module,
+    })
+}
+
+fn lease(value: &Value) -> Option<LeaseRefusal> {
+    value.as_object()?;
+    Some(LeaseRefusal {
+        live: u64_of(&value["live"]),
+        retry_after: u64_of(&value["retry_after"]),
+        answered_by: AnsweredBy::Module,
     })
 }
 
@@ -63,12 +87,32 @@ fn bucket_names() {
 fn header_fields() {
     let cases = cases();
     for case in cases["headers"].as_array().unwrap() {
-        let fields = headers(
-            bucket(&case["client"]).as_ref(),
-            bucket(&case["key"]).as_ref(),
-            quota(&case["quota"]).as_ref(),
-            case["now"].as_i64().unwrap(),
-        );
+        let (client, key) = (bucket(&case["client"]), bucket(&case["key"]));
+        let quota = quota(&case["quota"]).map(|quota| match usage(&case["quota_usage"]) {
+            Some(usage) => quota.after_add(&usage),
+            None => quota,
+        });
+        let lease = lease(&case["lease"]);
+        let mut request = Headers::new().now(case["now"].as_i64().unwrap());
+        if let Some(client) = &client {
+            request = request.client(client);
+        }
+        if let Some(key) = &key {
+            request = request.key(key);
+        }
+        if let Some(quota) = &quota {
+            request = request.quota(quota);
+        }
+        if let Some(lease) = &lease {
+            request = request.lease_refused(lease);
+        }
+        if case["draft"] == Value::Bool(false) {
+            request = request.without_draft();
+        }
+        let fields = request.fields();
+        // Every name is a valid lowercase header name: from_static would panic otherwise.
+        let map = request.header_map();
+        assert_eq!(map.len(), fields.len(), "{}", case["name"]);
         let expected: Vec<(String, String)> = case["headers"]
             .as_array()
             .unwrap()

@@ -1,0 +1,314 @@
+//! Token buckets: QAG.TAKE, QAG.TAKE2 and QAG.PEEK where the module is, the script (and
+//! a read for PEEK) where it is not, and the answers of the outage policy.
+
+use qag_core::bucket::{self, Limit, TakeArgs};
+use redis::aio::ConnectionLike;
+use redis::{cmd, Cmd};
+
+use crate::decision::{AnsweredBy, Decision, PairDecision};
+use crate::error::{classify, Error};
+use crate::limiter::{check, failure_error, Answer, Instead, Limiter, Path};
+use crate::local::{share_of, LocalBuckets};
+
+impl Answer for Decision {
+    fn answered_by(&self) -> Option<AnsweredBy> {
+        Some(self.answered_by)
+    }
+}
+
+impl Answer for PairDecision {
+    fn answered_by(&self) -> Option<AnsweredBy> {
+        Some(self.client.answered_by)
+    }
+}
+
+/// A bucket call's arguments, checked by the module's own parser.
+struct BucketCall {
+    key: String,
+    args: TakeArgs,
+    count: u64,
+    period: f64,
+    period_text: String,
+    cost: u64,
+}
+
+impl BucketCall {
+    fn new(key: &str, count: u64, period: f64, cost: u64) -> Result<BucketCall, Error> {
+        let period_text = number_text(period);
+        let (count_text, cost_text) = (count.to_string(), cost.to_string());
+        let words = [
+            "QAG.TAKE",
+            key,
+            &count_text,
+            &period_text,
+            "COST",
+            &cost_text,
+        ];
+        let args = check(|words| bucket::parse_take(words), &words)?;
+        Ok(BucketCall {
+            key: key.to_owned(),
+            args,
+            count,
+            period,
+            period_text,
+            cost,
+        })
+    }
+
+    fn decision(&self, reply: &[i64], answered_by: AnsweredBy) -> Result<Decision, Error> {
+        Decision::from_reply(reply, self.count, self.period, answered_by).map_err(Error::Server)
+    }
+
+    /// Not counted: the caller lets the request through.
+    fn forwarded(&self) -> Decision {
+        Decision {
+            allowed: true,
+            limit: self.count,
+            period: self.period,
+            remaining: self.count,
+            retry_after: 0,
+            answered_by: AnsweredBy::Forwarded,
+        }
+    }
+
+    /// This process's part of the bucket: its share of the count, refilled in the same
+    /// period.
+    fn local_limit(&self, share: f64) -> Limit {
+        Limit {
+            count: share_of(self.count, share) as f64,
+            period: self.args.limit.period,
+        }
+    }
+
+    fn local_decision(&self, verdict: bucket::Verdict) -> Decision {
+        Decision {
+            allowed: verdict.allowed,
+            limit: self.count,
+            period: self.period,
+            remaining: verdict.tokens_left.max(0) as u64,
+            retry_after: verdict.retry_after,
+            answered_by: AnsweredBy::Local,
+        }
+    }
+
+    fn take_locally(&self, buckets: &mut LocalBuckets, share: f64, now: f64) -> Decision {
+        let verdict = buckets.take(&self.key, self.local_limit(share), self.args.cost, now);
+        self.local_decision(verdict)
+    }
+
+    fn command(&self, name: &str) -> Cmd {
+        let mut command = cmd(name);
+        command
+            .arg(&self.key)
+            .arg(self.count)
+            .arg(&self.period_text);
+        push_cost(&mut command, self.cost);
+        command
+    }
+}
+
+/// A number as the module and the script read it back: the shortest exact decimal.
+fn number_text(value: f64) -> String {
+    if value.is_finite() {
+        qag_core::number::format_number(&mut ryu::Buffer::new(), value).to_owned()
+    } else {
+        // Refused by the parser with the module's message.
+        value.to_string()
+    }
+}
+
+/// `COST n`, left out for the default 1 (less for the server to read).
+fn push_cost(command: &mut Cmd, cost: u64) {
+    if cost != 1 {
+        command.arg("COST").arg(cost);
+    }
+}
+
+fn seconds(now_micros: i64) -> f64 {
+    bucket::seconds_from_micros(now_micros)
+}
+
+impl<C> Limiter<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Takes `cost` tokens from the bucket at `key` (`count` per `period` seconds).
+    pub async fn take(
+        &self,
+        key: &str,
+        count: u64,
+        period: f64,
+        cost: u64,
+    ) -> Result<Decision, Error> {
+        let call = BucketCall::new(key, count, period, cost)?;
+        self.run(self.take_remote(&call), |instead| {
+            Some(match instead {
+                Instead::Forward => call.forwarded(),
+                Instead::Local {
+                    state,
+                    now_micros,
+                    share,
+                } => call.take_locally(&mut state.buckets, share, seconds(now_micros)),
+            })
+        })
+        .await
+    }
+
+    /// Both buckets of a request: the client's, then, only if it allowed, the key's;
+    /// `cost` from each. QAG.TAKE2 where the module is (atomic: both keys must be in one
+    /// cluster slot), else the script on the client bucket and, if it allowed, on the key
+    /// bucket (two round trips).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn take_pair(
+        &self,
+        client_key: &str,
+        client_count: u64,
+        client_period: f64,
+        key_key: &str,
+        key_count: u64,
+        key_period: f64,
+        cost: u64,
+    ) -> Result<PairDecision, Error> {
+        let client = BucketCall::new(client_key, client_count, client_period, cost)?;
+        let key = BucketCall::new(key_key, key_count, key_period, cost)?;
+        self.run(self.take_pair_remote(&client, &key), |instead| {
+            Some(match instead {
+                Instead::Forward => PairDecision {
+                    client: client.forwarded(),
+                    key: Some(key.forwarded()),
+                },
+                Instead::Local {
+                    state,
+                    now_micros,
+                    share,
+                } => {
+                    let now = seconds(now_micros);
+                    let buckets = &mut state.buckets;
+                    let client = client.take_locally(buckets, share, now);
+                    let key = client
+                        .allowed
+                        .then(|| key.take_locally(buckets, share, now));
+                    PairDecision { client, key }
+                }
+            })
+        })
+        .await
+    }
+
+    /// What `take` would answer now, writing nothing.
+    pub async fn peek(
+        &self,
+        key: &str,
+        count: u64,
+        period: f64,
+        cost: u64,
+    ) -> Result<Decision, Error> {
+        let call = BucketCall::new(key, count, period, cost)?;
+        self.run(self.peek_remote(&call), |instead| {
+            Some(match instead {
+                Instead::Forward => call.forwarded(),
+                Instead::Local {
+                    state,
+                    now_micros,
+                    share,
+                } => call.local_decision(state.buckets.peek(
+                    &call.key,
+                    call.local_limit(share),
+                    call.args.cost,
+                    seconds(now_micros),
+                )),
+            })
+        })
+        .await
+    }
+
+    async fn take_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
+        if self.path().await? == Path::Module {
+            match self.query::<Vec<i64>>(&call.command("QAG.TAKE")).await {
+                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
+                Err(failure) => self.module_failed(failure)?,
+            }
+        }
+        self.take_by_script(call).await
+    }
+
+    async fn take_pair_remote(
+        &self,
+        client: &BucketCall,
+        key: &BucketCall,
+    ) -> Result<PairDecision, Error> {
+        if self.path().await? == Path::Module {
+            let mut command = cmd("QAG.TAKE2");
+            command
+                .arg(&client.key)
+                .arg(client.count)
+                .arg(&client.period_text)
+                .arg(&key.key)
+                .arg(key.count)
+                .arg(&key.period_text);
+            push_cost(&mut command, client.cost);
+            match self.query::<(Vec<i64>, Option<Vec<i64>>)>(&command).await {
+                Ok((client_reply, key_reply)) => {
+                    let key_decision = key_reply
+                        .map(|reply| key.decision(&reply, AnsweredBy::Module))
+                        .transpose()?;
+                    return Ok(PairDecision {
+                        client: client.decision(&client_reply, AnsweredBy::Module)?,
+                        key: key_decision,
+                    });
+                }
+                Err(failure) => self.module_failed(failure)?,
+            }
+        }
+        let client_decision = self.take_by_script(client).await?;
+        let key_decision = if client_decision.allowed {
+            Some(self.take_by_script(key).await?)
+        } else {
+            None
+        };
+        Ok(PairDecision {
+            client: client_decision,
+            key: key_decision,
+        })
+    }
+
+    async fn peek_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
+        if self.path().await? == Path::Module {
+            match self.query::<Vec<i64>>(&call.command("QAG.PEEK")).await {
+                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
+                Err(failure) => self.module_failed(failure)?,
+            }
+        }
+        // Without the module: the hash and the server's clock, read in one round trip,
+        // computed with the module's arithmetic.
+        let mut pipe = redis::pipe();
+        pipe.cmd("TIME")
+            .cmd("HMGET")
+            .arg(&call.key)
+            .arg("tokens")
+            .arg("ts");
+        type Fields = (Option<Vec<u8>>, Option<Vec<u8>>);
+        let ((seconds, micros), fields): ((i64, i64), Fields) = pipe
+            .query_async(&mut self.con.clone())
+            .await
+            .map_err(|error| failure_error(classify(&error)))?;
+        let state = bucket::parse_state(fields.0.as_deref(), fields.1.as_deref());
+        let now = bucket::seconds_from_micros(seconds.saturating_mul(1_000_000) + micros);
+        let verdict = bucket::take(call.args.limit, call.args.cost, state, now).verdict;
+        call.decision(&verdict.as_reply(), AnsweredBy::Script)
+    }
+
+    async fn take_by_script(&self, call: &BucketCall) -> Result<Decision, Error> {
+        let reply: Vec<i64> = self
+            .shared
+            .script
+            .key(&call.key)
+            .arg(call.count)
+            .arg(&call.period_text)
+            .arg(call.cost)
+            .invoke_async(&mut self.con.clone())
+            .await
+            .map_err(|error| failure_error(classify(&error)))?;
+        call.decision(&reply, AnsweredBy::Script)
+    }
+}
