@@ -1,10 +1,11 @@
 //! The token-bucket family: QAG.TAKE, QAG.TAKE2 and QAG.PEEK, the native twins of
-//! `lua/token_bucket.lua` on the same hash (`tokens`, `ts`).
+//! `lua/token_bucket.lua` on the same hash (`tokens`, `ts`), and QAG.REFUND, the twin of
+//! `lua/token_refund.lua`.
 
 use std::ffi::CStr;
 
 use qag_core::args::ArgList;
-use qag_core::bucket::{self, State, Take as Outcome, TakeArgs, Verdict};
+use qag_core::bucket::{self, Limit, State, Take as Outcome, Verdict};
 use qag_core::number::format_number;
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
@@ -20,52 +21,53 @@ pub fn init() {
     TS.create();
 }
 
-/// A bucket opened for a call: its key and the call's arguments for it.
+/// A bucket opened for a call: its key and its limit.
 struct Bucket<'a> {
     key: Key<'a>,
-    args: &'a TakeArgs,
+    limit: Limit,
 }
 
 impl<'a> Bucket<'a> {
     fn open(
         ctx: &'a Ctx,
         raw_args: &RawArgs,
-        args: &'a TakeArgs,
+        key: usize,
+        limit: Limit,
         access: Access,
     ) -> Result<Self, CommandError> {
         Ok(Bucket {
-            key: Key::open(ctx, raw_args.string(args.key), access, ValueType::Hash)?,
-            args,
+            key: Key::open(ctx, raw_args.string(key), access, ValueType::Hash)?,
+            limit,
         })
     }
 
-    /// What taking would do now, from the stored fields; writes nothing.
-    fn take(&self, now_micros: i64) -> Outcome {
+    /// The stored fields; None (a full bucket) when either is missing or unreadable.
+    fn stored(&self) -> Option<State> {
         let [tokens, ts] = self.key.hash_get([TOKENS.raw(), TS.raw()]);
-        let stored: Option<State> = bucket::parse_state(
+        bucket::parse_state(
             tokens.as_ref().map(OwnedString::bytes),
             ts.as_ref().map(OwnedString::bytes),
-        );
-        let now = bucket::seconds_from_micros(now_micros);
-        bucket::take(self.args.limit, self.args.cost, stored, now)
+        )
     }
 
-    /// Writes the outcome's state and the expiry back; they replicate as HSET and
-    /// PEXPIREAT, the effects, never the command, since the result depends on the
-    /// primary's clock.
-    fn write(&mut self, ctx: &Ctx, outcome: &Outcome, now_micros: i64) {
+    /// What taking `cost` would do now, from the stored fields; writes nothing.
+    fn take(&self, cost: i64, now_micros: i64) -> Outcome {
+        let now = bucket::seconds_from_micros(now_micros);
+        bucket::take(self.limit, cost, self.stored(), now)
+    }
+
+    /// Writes a state and the expiry back; they replicate as HSET and PEXPIREAT, the
+    /// effects, never the command, since the result depends on the primary's clock.
+    fn write(&mut self, ctx: &Ctx, state: &State, now_micros: i64) {
         let mut text = ryu::Buffer::new();
-        let tokens = OwnedString::new(
-            ctx,
-            format_number(&mut text, outcome.state.tokens).as_bytes(),
-        );
-        let ts = OwnedString::new(ctx, format_number(&mut text, outcome.state.ts).as_bytes());
+        let tokens = OwnedString::new(ctx, format_number(&mut text, state.tokens).as_bytes());
+        let ts = OwnedString::new(ctx, format_number(&mut text, state.ts).as_bytes());
         self.key
             .set_fields([(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
         self.key.expire_at(bucket::expire_at_millis(
             now_micros,
-            outcome.state.ts,
-            self.args.limit.period,
+            state.ts,
+            self.limit.period,
         ));
     }
 }
@@ -100,10 +102,10 @@ impl Command for Take {
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let take = bucket::parse_take(args)?;
-        let mut bucket = Bucket::open(ctx, args, &take, Access::ReadWrite)?;
+        let mut bucket = Bucket::open(ctx, args, take.key, take.limit, Access::ReadWrite)?;
         let now = ctx.now_micros();
-        let outcome = bucket.take(now);
-        bucket.write(ctx, &outcome, now);
+        let outcome = bucket.take(take.cost, now);
+        bucket.write(ctx, &outcome.state, now);
         TAKE.allowed_or_refused(outcome.verdict.allowed);
         Ok(Reply::Array(outcome.verdict.as_reply().into()))
     }
@@ -152,36 +154,49 @@ impl TakePair {
     fn take_both(ctx: &Ctx, args: &RawArgs) -> Result<(Verdict, Option<Verdict>), CommandError> {
         let pair = bucket::parse_take_pair(args)?;
         let now = ctx.now_micros();
-        let mut client = Bucket::open(ctx, args, &pair.client, Access::ReadWrite)?;
-        let client_outcome = client.take(now);
+        let cost = pair.client.cost;
+        let mut client = Bucket::open(
+            ctx,
+            args,
+            pair.client.key,
+            pair.client.limit,
+            Access::ReadWrite,
+        )?;
+        let client_outcome = client.take(cost, now);
         let client_verdict = client_outcome.verdict;
 
         if args.get(pair.client.key) == args.get(pair.key.key) {
             // One key as both buckets: the script run twice on it, through one handle.
-            client.write(ctx, &client_outcome, now);
+            client.write(ctx, &client_outcome.state, now);
             if !client_verdict.allowed {
                 return Ok((client_verdict, None));
             }
             let mut again = Bucket {
-                args: &pair.key,
+                limit: pair.key.limit,
                 ..client
             };
-            let outcome = again.take(now);
-            again.write(ctx, &outcome, now);
+            let outcome = again.take(cost, now);
+            again.write(ctx, &outcome.state, now);
             return Ok((client_verdict, Some(outcome.verdict)));
         }
 
         if !client_verdict.allowed {
             // The key bucket is not counted, only type-checked: no write, no touch.
-            Bucket::open(ctx, args, &pair.key, Access::ReadUntouched)?;
-            client.write(ctx, &client_outcome, now);
+            Bucket::open(
+                ctx,
+                args,
+                pair.key.key,
+                pair.key.limit,
+                Access::ReadUntouched,
+            )?;
+            client.write(ctx, &client_outcome.state, now);
             return Ok((client_verdict, None));
         }
         // Both keys are open and of the right type before either is written.
-        let mut key = Bucket::open(ctx, args, &pair.key, Access::ReadWrite)?;
-        let key_outcome = key.take(now);
-        client.write(ctx, &client_outcome, now);
-        key.write(ctx, &key_outcome, now);
+        let mut key = Bucket::open(ctx, args, pair.key.key, pair.key.limit, Access::ReadWrite)?;
+        let key_outcome = key.take(cost, now);
+        client.write(ctx, &client_outcome.state, now);
+        key.write(ctx, &key_outcome.state, now);
         Ok((client_verdict, Some(key_outcome.verdict)))
     }
 }
@@ -203,8 +218,48 @@ impl Command for Peek {
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let peek = bucket::parse_take(args)?;
-        let bucket = Bucket::open(ctx, args, &peek, Access::Read)?;
-        let outcome = bucket.take(ctx.now_micros());
+        let bucket = Bucket::open(ctx, args, peek.key, peek.limit, Access::Read)?;
+        let outcome = bucket.take(peek.cost, ctx.now_micros());
         Ok(Reply::Array(outcome.verdict.as_reply().into()))
+    }
+}
+
+static REFUND: CallCounters = CallCounters::new();
+
+/// QAG.REFUND key count period n: gives tokens back to a bucket.
+pub struct Refund;
+
+impl Command for Refund {
+    const NAME: &'static CStr = c"qag.refund";
+    const FLAGS: &'static CStr = c"write deny-oom fast";
+    const ARITY: i32 = 5;
+    const KEYS: KeyLayout = KeyLayout::Single;
+    const WRITES: bool = true;
+    const SINCE: &'static CStr = c"0.3.0";
+    const SUMMARY: &'static CStr =
+        c"Gives n tokens back to a token bucket, refilled to now first and never above its count; replies the tokens left";
+    const COMPLEXITY: &'static CStr = c"O(1)";
+    const ARGS: &'static [Arg] = &[
+        Arg::key(c"key", 0),
+        Arg::integer(c"count"),
+        Arg::double(c"period"),
+        Arg::integer(c"n"),
+    ];
+    const COUNTERS: &'static CallCounters = &REFUND;
+
+    fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
+        let refund = bucket::parse_refund(args)?;
+        let mut bucket = Bucket::open(ctx, args, refund.key, refund.limit, Access::ReadWrite)?;
+        let now = ctx.now_micros();
+        let outcome = bucket::refund(
+            refund.limit,
+            refund.amount,
+            bucket.stored(),
+            bucket::seconds_from_micros(now),
+        );
+        if let Some(state) = &outcome.state {
+            bucket.write(ctx, state, now);
+        }
+        Ok(Reply::Integer(outcome.tokens_left))
     }
 }

@@ -172,6 +172,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     let registered = register::<bucket::Take>(ctx.ctx, &mut features)
         .and_then(|_| register::<bucket::TakePair>(ctx.ctx, &mut features))
         .and_then(|_| register::<bucket::Peek>(ctx.ctx, &mut features))
+        .and_then(|_| register::<bucket::Refund>(ctx.ctx, &mut features))
         .and_then(|_| register::<lease::Lease>(ctx.ctx, &mut features))
         .and_then(|_| register::<lease::Renew>(ctx.ctx, &mut features))
         .and_then(|_| register::<lease::Release>(ctx.ctx, &mut features))

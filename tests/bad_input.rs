@@ -519,7 +519,7 @@ fn random_arguments_never_crash_the_server() {
     .collect();
     // Each command with a valid call, as a template to mutate: B, O, Z, Q, W, T stand
     // for the keys below.
-    let templates: [(&str, &[&str]); 13] = [
+    let templates: [(&str, &[&str]); 14] = [
         ("QAG.THROTTLE", &["T", "5", "10", "3600", "1"]),
         (
             "QAG.ADMIT",
@@ -529,6 +529,7 @@ fn random_arguments_never_crash_the_server() {
         ("QAG.TAKE", &["B", "5", "60", "COST", "2"]),
         ("QAG.TAKE2", &["B", "5", "60", "O", "5", "60", "COST", "1"]),
         ("QAG.PEEK", &["B", "5", "60"]),
+        ("QAG.REFUND", &["B", "5", "60", "2"]),
         ("QAG.LEASE", &["Z", "5", "1000", "id"]),
         ("QAG.RENEW", &["Z", "id", "1000"]),
         ("QAG.RELEASE", &["Z", "id"]),

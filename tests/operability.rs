@@ -11,10 +11,11 @@ use common::*;
 const EXPORTER_LUA: &str = include_str!("../contrib/redis_exporter/qag.lua");
 
 /// Every command's INFO name (after `qag_`), for the fields every command has.
-const COMMANDS: [&str; 13] = [
+const COMMANDS: [&str; 14] = [
     "take",
     "take2",
     "peek",
+    "refund",
     "lease",
     "renew",
     "release",
@@ -74,6 +75,9 @@ fn info_counts_every_call_error_and_decision() {
         ("QAG.TAKE2 c 5 60 k 0 60", true),
         ("QAG.PEEK b 2 60", false),
         ("QAG.PEEK str 2 60", true),
+        ("QAG.REFUND b 2 60 1", false),
+        ("QAG.REFUND missing 2 60 1", false),
+        ("QAG.REFUND b 2 60 0", true),
         ("QAG.LEASE ls 1 100000 a", false),
         ("QAG.LEASE ls 1 100000 b", false), // refused
         ("QAG.LEASE ls 0 100000 b", true),
@@ -141,6 +145,8 @@ fn info_counts_every_call_error_and_decision() {
         ("take2_refused_key", 1),
         ("peek_calls", 2),
         ("peek_errors", 1),
+        ("refund_calls", 3),
+        ("refund_errors", 1),
         ("lease_calls", 3),
         ("lease_errors", 1),
         ("lease_acquired", 1),
@@ -342,6 +348,7 @@ fn command_docs_list_every_argument() {
     for (command, arguments) in [
         ("qag.take", take),
         ("qag.peek", take),
+        ("qag.refund", "key:key count:integer period:double n:integer"),
         ("qag.take2", "ckey:key ccount:integer cperiod:double kkey:key kcount:integer kperiod:double cost:integer:COST:optional"),
         ("qag.lease", "key:key max:integer ttl_ms:integer id:string"),
         ("qag.renew", "key:key id:string ttl_ms:integer"),
@@ -362,6 +369,7 @@ fn command_docs_list_every_argument() {
         let doc = fields(docs.get(command).unwrap_or_else(|| panic!("no docs for {command}")));
         let since = match command {
             "qag.throttle" => "0.2.0",
+            "qag.refund" => "0.3.0",
             _ => "0.1.0",
         };
         assert_eq!(text(doc.get("since")), since, "{command}");

@@ -129,6 +129,23 @@ fn refusals_and_no_ops_leave_watch_alone_and_real_writes_abort_it() {
     let take2 = ["QAG.TAKE2", &client, "1", "60", &bucket, "5", "60"];
     assert!(watch_survives(&t, &[&bucket], &take2));
     assert!(!watch_survives(&t, &[&client], &take2));
+    // A refund to a missing bucket (a full one) writes nothing; to a stored one, it does.
+    let missing = t.key("{b}missing");
+    let refund = |key: &str| {
+        vec![
+            "QAG.REFUND".to_string(),
+            key.into(),
+            "5".into(),
+            "60".into(),
+            "1".into(),
+        ]
+    };
+    let words = refund(&missing);
+    let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    assert!(watch_survives(&t, &[&missing], &words));
+    let words = refund(&bucket);
+    let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    assert!(!watch_survives(&t, &[&bucket], &words));
     t.assert_healthy();
 }
 

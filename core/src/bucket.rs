@@ -97,6 +97,32 @@ pub fn take(limit: Limit, cost: i64, stored: Option<State>, now: f64) -> Take {
     }
 }
 
+/// What a refund leaves: the state to write (None for a missing bucket, which reads as
+/// full, so nothing is written) and the whole tokens left, QAG.TAKE's second element.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Refund {
+    pub state: Option<State>,
+    pub tokens_left: i64,
+}
+
+/// Gives `amount` tokens back to a bucket: refilled to `now` first, exactly as a take
+/// refills it (a take of nothing), so the stored time moves to now and no credit is
+/// minted or lost, then `amount` added, never above the count.
+pub fn refund(limit: Limit, amount: i64, stored: Option<State>, now: f64) -> Refund {
+    if stored.is_none() {
+        return Refund {
+            state: None,
+            tokens_left: limit.count as i64,
+        };
+    }
+    let refilled = take(limit, 0, stored, now).state;
+    let tokens = lua_min(limit.count, refilled.tokens + amount as f64);
+    Refund {
+        state: Some(State { tokens, ..refilled }),
+        tokens_left: tokens.floor() as i64,
+    }
+}
+
 /// Lua 5.1's math.max: the first argument unless a later one compares greater, so a
 /// NaN argument never wins.
 fn lua_max(a: f64, b: f64) -> f64 {
@@ -227,6 +253,23 @@ pub fn parse_take_pair<L: ArgList + ?Sized>(list: &L) -> Result<TakePairArgs, Ar
             cost,
         },
     })
+}
+
+/// QAG.REFUND: `key count period n`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RefundArgs {
+    pub key: usize,
+    pub limit: Limit,
+    pub amount: i64,
+}
+
+pub fn parse_refund<L: ArgList + ?Sized>(list: &L) -> Result<RefundArgs, ArgError> {
+    let mut args = Args::new(list);
+    args.expect_count(4, 4)?;
+    let key = args.key()?;
+    let limit = parse_limit(&mut args)?;
+    let amount = args.integer("n", 1, i64::MAX)?;
+    Ok(RefundArgs { key, limit, amount })
 }
 
 #[cfg(test)]
@@ -612,6 +655,100 @@ mod tests {
             }
             let budget = limit.count + (now - NOW) * limit.count / period;
             prop_assert!(spent <= budget + 1e-6, "spent {} budget {}", spent, budget);
+        }
+    }
+
+    #[test]
+    fn refund_arguments() {
+        let r = parse(|l| parse_refund(l), "REFUND k 60 60 2").unwrap();
+        assert_eq!((r.key, r.limit, r.amount), (1, limit(60.0, 60.0), 2));
+        for (words, error) in [
+            ("REFUND k 60 60", "ERR wrong number of arguments"),
+            ("REFUND k 60 60 1 1", "ERR wrong number of arguments"),
+            (
+                "REFUND k 60 60 0",
+                "ERR n must be an integer from 1 to 9223372036854775807",
+            ),
+            (
+                "REFUND k 60 60 1.5",
+                "ERR n must be an integer from 1 to 9223372036854775807",
+            ),
+            (
+                "REFUND k 0 60 1",
+                "ERR count must be an integer from 1 to 9007199254740992",
+            ),
+        ] {
+            let got = parse(|l| parse_refund(l), words).unwrap_err();
+            assert!(got.starts_with(error), "{words}: {got}");
+        }
+    }
+
+    #[test]
+    fn a_refund_refills_to_now_then_adds_never_above_the_count() {
+        let five = limit(5.0, 60.0);
+        // Spent to 0 at NOW - 12: 1 token refilled by now, 2 given back.
+        let spent = Some(State {
+            tokens: 0.0,
+            ts: NOW - 12.0,
+        });
+        let r = refund(five, 2, spent, NOW);
+        assert_eq!(
+            r.state,
+            Some(State {
+                tokens: 3.0,
+                ts: NOW
+            })
+        );
+        assert_eq!(r.tokens_left, 3);
+        // Never above the count.
+        let r = refund(five, 1_000, spent, NOW);
+        assert_eq!(
+            r.state,
+            Some(State {
+                tokens: 5.0,
+                ts: NOW
+            })
+        );
+        // A missing bucket is full: nothing to write.
+        assert_eq!(
+            refund(five, 2, None, NOW),
+            Refund {
+                state: None,
+                tokens_left: 5
+            }
+        );
+        // A stored time ahead of the clock stays: no credit for a clock stepped back.
+        let ahead = Some(State {
+            tokens: 1.0,
+            ts: NOW + 30.0,
+        });
+        let r = refund(five, 1, ahead, NOW);
+        assert_eq!(
+            r.state,
+            Some(State {
+                tokens: 2.0,
+                ts: NOW + 30.0
+            })
+        );
+    }
+
+    proptest! {
+        /// A take then a refund of its cost leaves the bucket as a take of nothing would:
+        /// no credit minted or lost.
+        #[test]
+        fn a_refund_undoes_a_take(
+            count in 1u32..1000, period in 0.5f64..7200.0,
+            tokens in 0.0f64..1000.0, age in 0.0f64..10_000.0, cost in 1i64..1000,
+        ) {
+            let bucket = limit(count as f64, period);
+            let stored = Some(State { tokens: tokens.min(count as f64), ts: NOW - age });
+            let taken = take(bucket, cost, stored, NOW);
+            prop_assume!(taken.verdict.allowed);
+            let back = refund(bucket, cost, Some(taken.state), NOW);
+            let untouched = take(bucket, 0, stored, NOW).state;
+            let state = back.state.unwrap();
+            prop_assert_eq!(state.ts, untouched.ts);
+            prop_assert!((state.tokens - untouched.tokens).abs() < 1e-9);
         }
     }
 }

@@ -14,6 +14,8 @@ pub use redis::{cmd, Connection, Value};
 
 /// The token-bucket script, the reference QAG.TAKE must match.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+/// The refund script, the reference QAG.REFUND must match.
+pub const TOKEN_REFUND_LUA: &str = include_str!("../../lua/token_refund.lua");
 
 /// Loads the token-bucket script; returns its SHA for EVALSHA.
 pub fn load_script(con: &mut Connection) -> String {
@@ -412,6 +414,26 @@ pub fn expected_take(
     ([allowed, tokens.floor() as i64, retry], (tokens, new_ts))
 }
 
+/// What a refund of `n` does to a bucket stored as `before`, at the call's clock `now`:
+/// refilled to now as a take refills it, `n` added, never above the count; a missing
+/// bucket is full and written nothing. The reply and the state after (None: unwritten).
+pub fn expected_refund(
+    count: f64,
+    period: f64,
+    n: f64,
+    before: Option<(f64, f64)>,
+    now: f64,
+) -> (i64, Option<(f64, f64)>) {
+    let Some((tokens, ts)) = before else {
+        return (count as i64, None);
+    };
+    let elapsed = if now - ts > 0.0 { now - ts } else { 0.0 };
+    let refilled = (tokens + elapsed * count / period).min(count);
+    let tokens = (refilled + n).min(count);
+    let new_ts = if now > ts { now } else { ts };
+    (tokens.floor() as i64, Some((tokens, new_ts)))
+}
+
 /// One round of every writing command, on keys under the hash tag `{t}`, with limits
 /// and lifetimes of `lifetime` seconds: a workload whose every effect persistence and
 /// replication must keep.
@@ -434,6 +456,12 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .arg(&bucket)
             .arg(3)
             .arg(lifetime)
+            .clone(),
+        cmd("QAG.REFUND")
+            .arg(&bucket)
+            .arg(3)
+            .arg(lifetime)
+            .arg(1 + round % 2)
             .clone(),
         cmd("QAG.LEASE")
             .arg("qag:running:{t}")
