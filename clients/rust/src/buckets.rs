@@ -5,12 +5,18 @@ use qag_core::bucket::{self, Limit, TakeArgs};
 use redis::aio::ConnectionLike;
 use redis::{cmd, Cmd};
 
-use crate::decision::{AnsweredBy, Decision, PairDecision};
+use crate::decision::{AnsweredBy, Decision, PairDecision, Refunded};
 use crate::error::{classify, Error};
 use crate::limiter::{check, failure_error, Answer, Instead, Limiter, Path};
 use crate::local::{share_of, LocalBuckets};
 
 impl Answer for Decision {
+    fn answered_by(&self) -> Option<AnsweredBy> {
+        Some(self.answered_by)
+    }
+}
+
+impl Answer for Refunded {
     fn answered_by(&self) -> Option<AnsweredBy> {
         Some(self.answered_by)
     }
@@ -217,6 +223,89 @@ where
                     call.args.cost,
                     seconds(now_micros),
                 )),
+            })
+        })
+        .await
+    }
+
+    /// Gives `n` tokens back to the bucket at `key` (`count` per `period` seconds):
+    /// QAG.REFUND, or `lua/token_refund.lua` without the module. For a request that one
+    /// limit admitted and a later one refused.
+    pub async fn refund(
+        &self,
+        key: &str,
+        count: u64,
+        period: f64,
+        n: u64,
+    ) -> Result<Refunded, Error> {
+        let call = BucketCall::new(key, count, period, 1)?;
+        let n_text = n.to_string();
+        let words = [
+            "QAG.REFUND",
+            key,
+            &count.to_string(),
+            &call.period_text,
+            &n_text,
+        ];
+        let args = check(|words| bucket::parse_refund(words), &words)?;
+        let remote = async {
+            let remaining = if self.path().await? == Path::Module {
+                let mut command = cmd("QAG.REFUND");
+                command.arg(key).arg(count).arg(&call.period_text).arg(n);
+                match self.query::<i64>(&command).await {
+                    Ok(left) => Some((left, AnsweredBy::Module)),
+                    Err(failure) => {
+                        self.module_failed(failure)?;
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let (left, answered_by) = match remaining {
+                Some(answer) => answer,
+                None => {
+                    let left: i64 = self
+                        .shared
+                        .refund_script
+                        .key(key)
+                        .arg(count)
+                        .arg(&call.period_text)
+                        .arg(n)
+                        .invoke_async(&mut self.con.clone())
+                        .await
+                        .map_err(|error| failure_error(classify(&error)))?;
+                    (left, AnsweredBy::Script)
+                }
+            };
+            Ok(Refunded {
+                remaining: u64::try_from(left)
+                    .map_err(|_| Error::Server(format!("a QAG.REFUND reply, got {left}")))?,
+                answered_by,
+            })
+        };
+        self.run(remote, |instead| {
+            Some(match instead {
+                Instead::Forward => Refunded {
+                    remaining: count,
+                    answered_by: AnsweredBy::Forwarded,
+                },
+                Instead::Local {
+                    state,
+                    now_micros,
+                    share,
+                } => Refunded {
+                    remaining: state
+                        .buckets
+                        .refund(
+                            key,
+                            call.local_limit(share),
+                            args.amount,
+                            seconds(now_micros),
+                        )
+                        .max(0) as u64,
+                    answered_by: AnsweredBy::Local,
+                },
             })
         })
         .await

@@ -89,6 +89,14 @@ impl Decision {
     }
 }
 
+/// What a refund left: the bucket's whole tokens after it (its count when forwarded:
+/// nothing was given back).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refunded {
+    pub remaining: u64,
+    pub answered_by: AnsweredBy,
+}
+
 /// Both buckets of a request: the client's, then the key's when the client's allowed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PairDecision {

@@ -24,11 +24,11 @@ mod windows;
 
 pub use decision::{
     Admission, AnsweredBy, Bucket, Decision, LeaseRefusal, PairDecision, Per, Quota, QuotaDecision,
-    QuotaUsage, Recorded, Scope,
+    QuotaUsage, Recorded, Refunded, Scope,
 };
 pub use error::Error;
 pub use headers::Headers;
 pub use leases::{Lease, LeaseGuard};
-pub use limiter::{Backend, Limiter, Options, TOKEN_BUCKET_LUA};
+pub use limiter::{Backend, Limiter, Options, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA};
 pub use naming::bucket_key;
 pub use policy::{Counts, OnUnavailable};

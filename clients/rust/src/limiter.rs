@@ -16,6 +16,8 @@ use crate::policy::{Counts, OnUnavailable, Outage, Route};
 
 /// The repository's token-bucket script, compiled in: the module's contract, one text.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
+/// The repository's refund script, QAG.REFUND's twin on the same keys.
+pub const TOKEN_REFUND_LUA: &str = include_str!("../../../lua/token_refund.lua");
 
 /// Where token-bucket calls go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -84,6 +86,7 @@ pub(crate) struct Shared {
     pub(crate) local: Mutex<LocalState>,
     counts: Mutex<Counts>,
     pub(crate) script: redis::Script,
+    pub(crate) refund_script: redis::Script,
 }
 
 /// A rate limiter over one connection (a `ConnectionManager`, a `MultiplexedConnection`
@@ -208,6 +211,7 @@ where
                 local: Mutex::new(LocalState::default()),
                 counts: Mutex::new(Counts::default()),
                 script: redis::Script::new(TOKEN_BUCKET_LUA),
+                refund_script: redis::Script::new(TOKEN_REFUND_LUA),
             }),
         }
     }

@@ -58,6 +58,17 @@ impl LocalBuckets {
         outcome.verdict
     }
 
+    /// Gives `amount` back to the bucket at `key` (a missing one is full); the tokens
+    /// left.
+    pub fn refund(&mut self, key: &str, limit: Limit, amount: i64, now: f64) -> i64 {
+        let stored = self.buckets.get(key).map(|(state, _)| *state);
+        let refund = bucket::refund(limit, amount, stored, now);
+        if let Some(state) = refund.state {
+            self.buckets.insert(key.to_owned(), (state, limit));
+        }
+        refund.tokens_left
+    }
+
     /// What `take` would answer, changing nothing.
     pub fn peek(&self, key: &str, limit: Limit, cost: i64, now: f64) -> Verdict {
         let stored = self.buckets.get(key).map(|(state, _)| *state);
@@ -324,6 +335,8 @@ mod tests {
             local.take("other", FIVE_A_MINUTE, 1, 1000.0).as_reply(),
             [1, 4, 0]
         );
+        assert_eq!(local.refund("k", FIVE_A_MINUTE, 2, 1012.0), 3);
+        assert_eq!(local.refund("missing", FIVE_A_MINUTE, 2, 1012.0), 5);
         local.clear();
         assert_eq!(
             local.take("k", FIVE_A_MINUTE, 1, 1000.0).as_reply(),

@@ -344,3 +344,47 @@ async fn auto_follows_a_restart_without_and_with_the_module() {
     let switches = order.windows(2).filter(|pair| pair[0] != pair[1]).count();
     assert_eq!(switches, 2, "module, then script, then module: {seen:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refund_gives_tokens_back_through_module_and_script_alike() {
+    if external("a_refund_gives_tokens_back_through_module_and_script_alike") {
+        return;
+    }
+    for without_module in [false, true] {
+        let server = Server::start(&ServerOptions {
+            without_module,
+            ..Default::default()
+        });
+        let mut raw = server.client().get_connection().unwrap();
+        let limiter = Limiter::new(manager(&server).await);
+        let by = if without_module {
+            AnsweredBy::Script
+        } else {
+            AnsweredBy::Module
+        };
+        for _ in 0..COUNT {
+            assert!(
+                limiter
+                    .take("qag:r", COUNT, PERIOD, 1)
+                    .await
+                    .unwrap()
+                    .allowed
+            );
+        }
+        let back = limiter.refund("qag:r", COUNT, PERIOD, 2).await.unwrap();
+        assert_eq!((back.remaining, back.answered_by), (2, by));
+        let next = limiter.take("qag:r", COUNT, PERIOD, 1).await.unwrap();
+        assert_eq!((next.allowed, next.remaining), (true, 1));
+        let capped = limiter.refund("qag:r", COUNT, PERIOD, 100).await.unwrap();
+        assert_eq!(capped.remaining, COUNT);
+        // A missing bucket is full and stays missing.
+        let missing = limiter.refund("qag:none", COUNT, PERIOD, 1).await.unwrap();
+        assert_eq!(missing.remaining, COUNT);
+        let exists: i64 = cmd("EXISTS").arg("qag:none").query(&mut raw).unwrap();
+        assert_eq!(exists, 0);
+        assert!(matches!(
+            limiter.refund("qag:r", COUNT, PERIOD, 0).await,
+            Err(Error::InvalidArgument(why)) if why.contains("n must be")
+        ));
+    }
+}
