@@ -9,7 +9,7 @@ mod common;
 use std::time::Instant;
 
 use common::*;
-use qag_client::Limiter;
+use qag_client::{Bucket, Limiter};
 
 const CALLS: usize = 100_000;
 
@@ -42,7 +42,10 @@ async fn main() {
                 raw_micros.push(started.elapsed().as_secs_f64() * 1e6);
             } else {
                 limiter
-                    .take(&format!("qag:crate:{key}"), 1_000_000, 60.0, 1)
+                    .take(
+                        &Bucket::with_key(format!("qag:crate:{key}"), 1_000_000, 60.0),
+                        1,
+                    )
                     .await
                     .unwrap();
                 crate_micros.push(started.elapsed().as_secs_f64() * 1e6);

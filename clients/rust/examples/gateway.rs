@@ -3,7 +3,7 @@
 //! Run: cargo run -p qag-client --example gateway -- redis://127.0.0.1:6379/
 use std::time::Duration;
 
-use qag_client::{bucket_key, Error, Headers, Lease, Limiter, OnUnavailable, Options, Per, Quota};
+use qag_client::{Bucket, Error, Headers, Lease, Limiter, OnUnavailable, Options, Per, Quota};
 use redis::aio::ConnectionManager;
 
 /// The answer to one request: its status and header fields.
@@ -14,11 +14,9 @@ async fn handle(
     request_id: &str,
 ) -> Result<(u16, http::HeaderMap), Error> {
     // ADR 0032's names: the address's bucket is its own, whatever key it uses.
-    let per_ip = bucket_key("client", 20, 1.0, client_ip, None);
-    let per_key = bucket_key("key", 100, 60.0, api_key, None);
-    let pair = limiter
-        .take_pair(&per_ip, 20, 1.0, &per_key, 100, 60.0, 1)
-        .await?;
+    let per_ip = Bucket::named("client", 20, 1.0, client_ip);
+    let per_key = Bucket::named("key", 100, 60.0, api_key);
+    let pair = limiter.take_pair(&per_ip, &per_key, 1).await?;
     if !pair.allowed() {
         return Ok((429, Headers::new().pair(&pair).header_map()));
     }

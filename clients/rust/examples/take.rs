@@ -9,7 +9,7 @@
 
 use std::process::ExitCode;
 
-use qag_client::{Backend, Limiter, Options};
+use qag_client::{Backend, Bucket, Limiter, Options};
 
 const USAGE: &str = "usage: take [--backend auto|module|script] [--cost N] URL KEY COUNT PERIOD";
 
@@ -80,7 +80,10 @@ async fn main() -> ExitCode {
         // Connecting is part of the call: bounded by the same deadline.
         Limiter::connect(&call.url, options)
             .await?
-            .take(&call.key, call.count, call.period, call.cost)
+            .take(
+                &Bucket::with_key(&call.key, call.count, call.period),
+                call.cost,
+            )
             .await
     };
     match answer.await {

@@ -5,10 +5,11 @@ use qag_core::bucket::{self, Limit, TakeArgs};
 use redis::aio::ConnectionLike;
 use redis::{cmd, Cmd};
 
-use crate::decision::{AnsweredBy, Decision, PairDecision, Refunded};
+use crate::decision::{AnsweredBy, Decision, PairDecision, Refunded, RetryAfter};
 use crate::error::{classify, Error};
 use crate::limiter::{check, failure_error, Answer, Instead, Limiter, Path};
 use crate::local::{share_of, LocalBuckets};
+use crate::naming::Bucket;
 
 impl Answer for Decision {
     fn answered_by(&self) -> Option<AnsweredBy> {
@@ -39,7 +40,8 @@ struct BucketCall {
 }
 
 impl BucketCall {
-    fn new(key: &str, count: u64, period: f64, cost: u64) -> Result<BucketCall, Error> {
+    fn new(bucket: &Bucket, cost: u64) -> Result<BucketCall, Error> {
+        let (key, count, period) = (bucket.key(), bucket.count(), bucket.period());
         let period_text = number_text(period);
         let (count_text, cost_text) = (count.to_string(), cost.to_string());
         let words = [
@@ -72,7 +74,7 @@ impl BucketCall {
             limit: self.count,
             period: self.period,
             remaining: self.count,
-            retry_after: 0,
+            retry_after: RetryAfter::Seconds(0),
             answered_by: AnsweredBy::Forwarded,
         }
     }
@@ -92,7 +94,7 @@ impl BucketCall {
             limit: self.count,
             period: self.period,
             remaining: verdict.tokens_left.max(0) as u64,
-            retry_after: verdict.retry_after,
+            retry_after: RetryAfter::from_reply(verdict.retry_after).unwrap_or(RetryAfter::Never),
             answered_by: AnsweredBy::Local,
         }
     }
@@ -138,15 +140,9 @@ impl<C> Limiter<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// Takes `cost` tokens from the bucket at `key` (`count` per `period` seconds).
-    pub async fn take(
-        &self,
-        key: &str,
-        count: u64,
-        period: f64,
-        cost: u64,
-    ) -> Result<Decision, Error> {
-        let call = BucketCall::new(key, count, period, cost)?;
+    /// Takes `cost` tokens from `bucket`.
+    pub async fn take(&self, bucket: &Bucket, cost: u64) -> Result<Decision, Error> {
+        let call = BucketCall::new(bucket, cost)?;
         self.run(self.take_remote(&call), |instead| {
             Some(match instead {
                 Instead::Forward => call.forwarded(),
@@ -164,19 +160,14 @@ where
     /// `cost` from each. QAG.TAKE2 where the module is (atomic: both keys must be in one
     /// cluster slot), else the script on the client bucket and, if it allowed, on the key
     /// bucket (two round trips).
-    #[allow(clippy::too_many_arguments)]
     pub async fn take_pair(
         &self,
-        client_key: &str,
-        client_count: u64,
-        client_period: f64,
-        key_key: &str,
-        key_count: u64,
-        key_period: f64,
+        client: &Bucket,
+        key: &Bucket,
         cost: u64,
     ) -> Result<PairDecision, Error> {
-        let client = BucketCall::new(client_key, client_count, client_period, cost)?;
-        let key = BucketCall::new(key_key, key_count, key_period, cost)?;
+        let client = BucketCall::new(client, cost)?;
+        let key = BucketCall::new(key, cost)?;
         self.run(self.take_pair_remote(&client, &key), |instead| {
             Some(match instead {
                 Instead::Forward => PairDecision {
@@ -202,14 +193,8 @@ where
     }
 
     /// What `take` would answer now, writing nothing.
-    pub async fn peek(
-        &self,
-        key: &str,
-        count: u64,
-        period: f64,
-        cost: u64,
-    ) -> Result<Decision, Error> {
-        let call = BucketCall::new(key, count, period, cost)?;
+    pub async fn peek(&self, bucket: &Bucket, cost: u64) -> Result<Decision, Error> {
+        let call = BucketCall::new(bucket, cost)?;
         self.run(self.peek_remote(&call), |instead| {
             Some(match instead {
                 Instead::Forward => call.forwarded(),
@@ -228,25 +213,14 @@ where
         .await
     }
 
-    /// Gives `n` tokens back to the bucket at `key` (`count` per `period` seconds):
-    /// QAG.REFUND, or `lua/token_refund.lua` without the module. For a request that one
-    /// limit admitted and a later one refused.
-    pub async fn refund(
-        &self,
-        key: &str,
-        count: u64,
-        period: f64,
-        n: u64,
-    ) -> Result<Refunded, Error> {
-        let call = BucketCall::new(key, count, period, 1)?;
+    /// Gives `n` tokens back to `bucket`: QAG.REFUND, or `lua/token_refund.lua` without
+    /// the module. For a request that one limit admitted and a later one refused.
+    pub async fn refund(&self, bucket: &Bucket, n: u64) -> Result<Refunded, Error> {
+        let call = BucketCall::new(bucket, 1)?;
+        let (key, count) = (bucket.key(), bucket.count());
         let n_text = n.to_string();
-        let words = [
-            "QAG.REFUND",
-            key,
-            &count.to_string(),
-            &call.period_text,
-            &n_text,
-        ];
+        let count_text = count.to_string();
+        let words = ["QAG.REFUND", key, &count_text, &call.period_text, &n_text];
         let args = check(|words| bucket::parse_refund(words), &words)?;
         let remote = async {
             let remaining = if self.path().await? == Path::Module {

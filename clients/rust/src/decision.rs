@@ -35,9 +35,46 @@ impl fmt::Display for AnsweredBy {
     }
 }
 
+/// How long to wait before asking again, the same type for every family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RetryAfter {
+    /// Whole seconds (0 when the call was allowed).
+    Seconds(u64),
+    /// Never: the cost is above the bucket's count.
+    Never,
+}
+
+impl RetryAfter {
+    /// The seconds, or None for never.
+    pub fn seconds(self) -> Option<u64> {
+        match self {
+            RetryAfter::Seconds(seconds) => Some(seconds),
+            RetryAfter::Never => None,
+        }
+    }
+
+    /// From a reply's integer: -1 is never, a negative other value an error.
+    pub fn from_reply(value: i64) -> Result<RetryAfter, String> {
+        match value {
+            -1 => Ok(RetryAfter::Never),
+            n => non_negative(n, "retry_after").map(RetryAfter::Seconds),
+        }
+    }
+}
+
+/// Whole seconds, or `never`.
+impl fmt::Display for RetryAfter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RetryAfter::Seconds(seconds) => write!(f, "{seconds}"),
+            RetryAfter::Never => f.write_str("never"),
+        }
+    }
+}
+
 /// The two buckets of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Bucket {
+pub enum Side {
     /// The client's bucket (e.g. per address): the server-wide limit.
     Client,
     /// The key's bucket (per API key or partner).
@@ -54,9 +91,8 @@ pub struct Decision {
     pub period: f64,
     /// Whole tokens left after the call (floor).
     pub remaining: u64,
-    /// Whole seconds until the cost fits: 0 when allowed, -1 when it never fits (a
-    /// cost above the count).
-    pub retry_after: i64,
+    /// Until the cost fits: 0 s when allowed, `Never` for a cost above the count.
+    pub retry_after: RetryAfter,
     pub answered_by: AnsweredBy,
 }
 
@@ -74,7 +110,7 @@ impl Decision {
                 limit,
                 period,
                 remaining: left as u64,
-                retry_after: retry,
+                retry_after: RetryAfter::from_reply(retry)?,
                 answered_by,
             }),
             _ => Err(format!("a bucket reply of three integers, got {reply:?}")),
@@ -111,20 +147,20 @@ impl PairDecision {
     }
 
     /// The bucket that refused, if one did.
-    pub fn refused_by(&self) -> Option<Bucket> {
+    pub fn refused_by(&self) -> Option<Side> {
         match self.key {
-            _ if !self.client.allowed => Some(Bucket::Client),
-            Some(key) if !key.allowed => Some(Bucket::Key),
+            _ if !self.client.allowed => Some(Side::Client),
+            Some(key) if !key.allowed => Some(Side::Key),
             _ => None,
         }
     }
 
-    /// The refusing bucket's retry after (0 when allowed, -1 when it never fits).
-    pub fn retry_after(&self) -> i64 {
-        match self.refused_by() {
-            Some(Bucket::Client) => self.client.retry_after,
-            Some(Bucket::Key) => self.key.map_or(0, |key| key.retry_after),
-            None => 0,
+    /// The refusing bucket's retry after (0 s when allowed).
+    pub fn retry_after(&self) -> RetryAfter {
+        match (self.refused_by(), self.key) {
+            (Some(Side::Client), _) => self.client.retry_after,
+            (Some(Side::Key), Some(key)) => key.retry_after,
+            _ => RetryAfter::Seconds(0),
         }
     }
 
@@ -196,7 +232,7 @@ pub struct Admission {
     pub admitted: bool,
     /// The 0-based index of the scope that refused.
     pub refused_by: Option<usize>,
-    pub retry_after: u64,
+    pub retry_after: RetryAfter,
     /// The least requests left over the scopes that limit requests; None when none does.
     pub requests_remaining: Option<u64>,
     /// The same for tokens.
@@ -216,8 +252,8 @@ pub struct Recorded {
 pub struct LeaseRefusal {
     /// Live leases on the key.
     pub live: u64,
-    /// Whole seconds to wait before asking again (1: leases are released at any time).
-    pub retry_after: u64,
+    /// Before asking again (1 s: leases are released at any time).
+    pub retry_after: RetryAfter,
     pub answered_by: AnsweredBy,
 }
 
@@ -290,7 +326,7 @@ impl Admission {
                     0 => None,
                     n => Some(n as usize - 1),
                 },
-                retry_after: non_negative(retry, "retry_after")?,
+                retry_after: RetryAfter::Seconds(non_negative(retry, "retry_after")?),
                 requests_remaining: remaining_or_unlimited(requests)?,
                 tokens_remaining: remaining_or_unlimited(tokens)?,
                 answered_by: AnsweredBy::Module,
@@ -312,9 +348,12 @@ mod tests {
     fn bucket_replies() {
         let allowed = decision([1, 59, 0]);
         assert!(allowed.allowed);
-        assert_eq!((allowed.remaining, allowed.retry_after), (59, 0));
+        assert_eq!(
+            (allowed.remaining, allowed.retry_after),
+            (59, RetryAfter::Seconds(0))
+        );
         let never = decision([0, 59, -1]);
-        assert_eq!(never.retry_after, -1);
+        assert_eq!(never.retry_after, RetryAfter::Never);
         for bad in [[2, 1, 0], [1, -1, 0], [0, 1, -2]] {
             assert!(Decision::from_reply(&bad, 60, 60.0, AnsweredBy::Script).is_err());
         }
@@ -338,20 +377,23 @@ mod tests {
             key: None,
         };
         assert!(!client_refused.allowed());
-        assert_eq!(client_refused.refused_by(), Some(Bucket::Client));
-        assert_eq!(client_refused.retry_after(), 4);
+        assert_eq!(client_refused.refused_by(), Some(Side::Client));
+        assert_eq!(client_refused.retry_after(), RetryAfter::Seconds(4));
         let key_refused = PairDecision {
             client: decision([1, 5, 0]),
             key: Some(decision([0, 0, 9])),
         };
-        assert_eq!(key_refused.refused_by(), Some(Bucket::Key));
-        assert_eq!(key_refused.retry_after(), 9);
+        assert_eq!(key_refused.refused_by(), Some(Side::Key));
+        assert_eq!(key_refused.retry_after(), RetryAfter::Seconds(9));
         let allowed = PairDecision {
             client: decision([1, 5, 0]),
             key: Some(decision([1, 3, 0])),
         };
         assert!(allowed.allowed());
-        assert_eq!((allowed.refused_by(), allowed.retry_after()), (None, 0));
+        assert_eq!(
+            (allowed.refused_by(), allowed.retry_after()),
+            (None, RetryAfter::Seconds(0))
+        );
     }
 
     #[test]

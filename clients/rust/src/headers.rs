@@ -36,7 +36,7 @@ struct Limit {
 
 impl Limit {
     fn bucket(name: &'static str, decision: &Decision) -> Limit {
-        let wait = u64::try_from(decision.retry_after).ok();
+        let wait = decision.retry_after.seconds();
         Limit {
             name,
             quota: decision.limit,
@@ -82,9 +82,10 @@ impl Limit {
 /// The header fields of a request's decisions, built up and rendered once:
 ///
 /// ```
-/// # use qag_client::{headers::Headers, AnsweredBy, Decision};
+/// # use qag_client::{headers::Headers, AnsweredBy, Decision, RetryAfter};
 /// let key = Decision { allowed: false, limit: 60, period: 60.0, remaining: 0,
-///                      retry_after: 3, answered_by: AnsweredBy::Module };
+///                      retry_after: RetryAfter::Seconds(3),
+///                      answered_by: AnsweredBy::Module };
 /// let fields = Headers::new().key(&key).without_draft().fields();
 /// assert_eq!(fields, [("x-ratelimit-key-limit", "60".to_string()),
 ///                     ("x-ratelimit-key-remaining", "0".to_string()),

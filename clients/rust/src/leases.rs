@@ -13,7 +13,7 @@ use redis::cmd;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::decision::{AnsweredBy, LeaseRefusal};
+use crate::decision::{AnsweredBy, LeaseRefusal, RetryAfter};
 use crate::error::{Error, Failure};
 use crate::limiter::{check, lock, Answer, Instead, Limiter, Path};
 use crate::local::share_of;
@@ -355,7 +355,7 @@ where
                 ))),
                 [0, live, retry] => Ok(Lease::Refused(LeaseRefusal {
                     live: live.max(0) as u64,
-                    retry_after: retry.max(0) as u64,
+                    retry_after: RetryAfter::Seconds(retry.max(0) as u64),
                     answered_by: AnsweredBy::Module,
                 })),
                 _ => Err(Error::Server(format!("a QAG.LEASE reply, got {reply:?}"))),
@@ -374,7 +374,7 @@ where
                             }
                             Err(live) => Lease::Refused(LeaseRefusal {
                                 live,
-                                retry_after: 1,
+                                retry_after: RetryAfter::Seconds(1),
                                 answered_by: AnsweredBy::Local,
                             }),
                         }

@@ -23,12 +23,12 @@ mod quotas;
 mod windows;
 
 pub use decision::{
-    Admission, AnsweredBy, Bucket, Decision, LeaseRefusal, PairDecision, Per, Quota, QuotaDecision,
-    QuotaUsage, Recorded, Refunded, Scope,
+    Admission, AnsweredBy, Decision, LeaseRefusal, PairDecision, Per, Quota, QuotaDecision,
+    QuotaUsage, Recorded, Refunded, RetryAfter, Scope, Side,
 };
 pub use error::Error;
 pub use headers::Headers;
 pub use leases::{Lease, LeaseGuard};
 pub use limiter::{Backend, Limiter, Options, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA};
-pub use naming::bucket_key;
+pub use naming::{bucket_key, Bucket};
 pub use policy::{Counts, OnUnavailable};

@@ -19,6 +19,48 @@ pub fn bucket_key(
     }
 }
 
+/// A token bucket described once: its key and its limit, `count` tokens refilled per
+/// `period` seconds, so a key's name and its limit cannot drift apart.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bucket {
+    key: String,
+    count: u64,
+    period: f64,
+}
+
+impl Bucket {
+    /// The bucket of `name` (an address, or `<workspace>~<name>` for a key) under ADR
+    /// 0032's name: `qag:ratelimit:<scope>:<count>/<period>:<name>`.
+    pub fn named(scope: &str, count: u64, period: f64, name: &str) -> Bucket {
+        Bucket {
+            key: bucket_key(scope, count, period, name, None),
+            count,
+            period,
+        }
+    }
+
+    /// A bucket at a key of the caller's choice.
+    pub fn with_key(key: impl Into<String>, count: u64, period: f64) -> Bucket {
+        Bucket {
+            key: key.into(),
+            count,
+            period,
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    pub fn period(&self) -> f64 {
+        self.period
+    }
+}
+
 /// Python's `format(value, 'g')`: six significant digits, scientific notation when the
 /// exponent is below -4 or at least 6, trailing zeros removed, an exponent of at least
 /// two digits with its sign.

@@ -4,7 +4,7 @@
 use qag_core::window::{self, Clock};
 use redis::aio::ConnectionLike;
 
-use crate::decision::{Admission, AnsweredBy, Recorded, Scope};
+use crate::decision::{Admission, AnsweredBy, Recorded, RetryAfter, Scope};
 use crate::error::Error;
 use crate::limiter::{check, command, Answer, Instead, Limiter};
 use crate::local::share_of;
@@ -67,7 +67,7 @@ where
                 Instead::Forward => Admission {
                     admitted: true,
                     refused_by: None,
-                    retry_after: 0,
+                    retry_after: RetryAfter::Seconds(0),
                     requests_remaining: None,
                     tokens_remaining: None,
                     answered_by: AnsweredBy::Forwarded,

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use qag_client::{AnsweredBy, Backend, Bucket, Error, Limiter, Options};
+use qag_client::{AnsweredBy, Backend, Bucket, Error, Limiter, Options, RetryAfter, Side};
 use redis::aio::ConnectionManager;
 
 async fn manager(server: &Server) -> ConnectionManager {
@@ -52,9 +52,18 @@ async fn module_and_script_answer_as_the_raw_command_and_the_script() {
     let script = Limiter::with_options(manager(&server).await, options(Backend::Script));
     let auto = Limiter::new(manager(&server).await);
     for (n, cost) in COSTS.into_iter().enumerate() {
-        let by_module = module.take("qag:m", COUNT, PERIOD, cost).await.unwrap();
-        let by_auto = auto.take("qag:a", COUNT, PERIOD, cost).await.unwrap();
-        let by_script = script.take("qag:s", COUNT, PERIOD, cost).await.unwrap();
+        let by_module = module
+            .take(&Bucket::with_key("qag:m", COUNT, PERIOD), cost)
+            .await
+            .unwrap();
+        let by_auto = auto
+            .take(&Bucket::with_key("qag:a", COUNT, PERIOD), cost)
+            .await
+            .unwrap();
+        let by_script = script
+            .take(&Bucket::with_key("qag:s", COUNT, PERIOD), cost)
+            .await
+            .unwrap();
         let raw_module: Vec<i64> = cmd("QAG.TAKE")
             .arg("qag:rm")
             .arg(COUNT)
@@ -77,7 +86,10 @@ async fn module_and_script_answer_as_the_raw_command_and_the_script() {
             let reply = vec![
                 i64::from(decision.allowed),
                 decision.remaining as i64,
-                decision.retry_after,
+                decision
+                    .retry_after
+                    .seconds()
+                    .map_or(-1, |seconds| seconds as i64),
             ];
             assert_eq!(reply, raw_module, "call {n} by {}", decision.answered_by);
             assert_eq!((decision.limit, decision.period), (COUNT, PERIOD));
@@ -91,17 +103,26 @@ async fn module_and_script_answer_as_the_raw_command_and_the_script() {
         assert_eq!(form(&mut raw, key), expected, "{key}");
     }
     // PEEK: the module's and the fallback's (the hash computed with qag-core) agree.
-    let peeked = module.peek("qag:m", COUNT, PERIOD, 1).await.unwrap();
-    let fallback = script.peek("qag:m", COUNT, PERIOD, 1).await.unwrap();
+    let peeked = module
+        .peek(&Bucket::with_key("qag:m", COUNT, PERIOD), 1)
+        .await
+        .unwrap();
+    let fallback = script
+        .peek(&Bucket::with_key("qag:m", COUNT, PERIOD), 1)
+        .await
+        .unwrap();
     assert_eq!(
         (peeked.allowed, peeked.remaining, peeked.retry_after),
         (fallback.allowed, fallback.remaining, fallback.retry_after)
     );
     assert_eq!(fallback.answered_by, AnsweredBy::Script);
-    let never = script.peek("qag:absent", COUNT, PERIOD, 6).await.unwrap();
+    let never = script
+        .peek(&Bucket::with_key("qag:absent", COUNT, PERIOD), 6)
+        .await
+        .unwrap();
     assert_eq!(
         (never.allowed, never.remaining, never.retry_after),
-        (false, 5, -1)
+        (false, 5, RetryAfter::Never)
     );
 }
 
@@ -117,13 +138,24 @@ async fn without_the_module_auto_runs_the_script_and_module_is_an_error() {
     let auto = Limiter::new(manager(&server).await);
     let module = Limiter::with_options(manager(&server).await, options(Backend::Module));
     for left in (0..COUNT).rev() {
-        let decision = auto.take("qag:k", COUNT, PERIOD, 1).await.unwrap();
+        let decision = auto
+            .take(&Bucket::with_key("qag:k", COUNT, PERIOD), 1)
+            .await
+            .unwrap();
         assert_eq!(decision.answered_by, AnsweredBy::Script);
         assert_eq!((decision.allowed, decision.remaining), (true, left));
     }
-    assert!(!auto.take("qag:k", COUNT, PERIOD, 1).await.unwrap().allowed);
+    assert!(
+        !auto
+            .take(&Bucket::with_key("qag:k", COUNT, PERIOD), 1)
+            .await
+            .unwrap()
+            .allowed
+    );
     assert_eq!(
-        module.take("qag:k", COUNT, PERIOD, 1).await,
+        module
+            .take(&Bucket::with_key("qag:k", COUNT, PERIOD), 1)
+            .await,
         Err(Error::ModuleRequired)
     );
     assert_eq!(
@@ -142,7 +174,7 @@ async fn without_the_module_auto_runs_the_script_and_module_is_an_error() {
         Err(Error::ModuleRequired)
     );
     // Bad arguments are refused before anything is sent, with the module's words.
-    let bad = auto.take("qag:k", 0, PERIOD, 1).await;
+    let bad = auto.take(&Bucket::with_key("qag:k", 0, PERIOD), 1).await;
     assert_eq!(
         bad,
         Err(Error::InvalidArgument(
@@ -150,7 +182,7 @@ async fn without_the_module_auto_runs_the_script_and_module_is_an_error() {
         ))
     );
     assert!(matches!(
-        auto.take("qag:k", 5, f64::NAN, 1).await,
+        auto.take(&Bucket::with_key("qag:k", 5, f64::NAN), 1).await,
         Err(Error::InvalidArgument(_))
     ));
 }
@@ -167,11 +199,19 @@ async fn pairs_by_module_and_by_script_agree_and_leave_a_refused_key_alone() {
     // Client bucket of 3, key bucket of 5 for the module, 5 for the script.
     for n in 0..6 {
         let by_module = module
-            .take_pair("qag:mc", 3, PERIOD, "qag:mk", 5, PERIOD, 1)
+            .take_pair(
+                &Bucket::with_key("qag:mc", 3, PERIOD),
+                &Bucket::with_key("qag:mk", 5, PERIOD),
+                1,
+            )
             .await
             .unwrap();
         let by_script = script
-            .take_pair("qag:sc", 3, PERIOD, "qag:sk", 5, PERIOD, 1)
+            .take_pair(
+                &Bucket::with_key("qag:sc", 3, PERIOD),
+                &Bucket::with_key("qag:sk", 5, PERIOD),
+                1,
+            )
             .await
             .unwrap();
         let shape = |pair: qag_client::PairDecision| {
@@ -187,7 +227,7 @@ async fn pairs_by_module_and_by_script_agree_and_leave_a_refused_key_alone() {
         assert_eq!(by_module.answered_by(), AnsweredBy::Module);
         assert_eq!(by_script.answered_by(), AnsweredBy::Script);
         if n >= 3 {
-            assert_eq!(by_module.refused_by(), Some(Bucket::Client));
+            assert_eq!(by_module.refused_by(), Some(Side::Client));
             assert!(by_module.key.is_none());
         }
     }
@@ -210,8 +250,18 @@ async fn one_bucket_through_module_and_script_refuses_where_the_module_alone_doe
     let mut alone = Vec::new();
     for n in 0..8 {
         let through = if n % 2 == 0 { &module } else { &script };
-        mixed.push(through.take("qag:shared", COUNT, PERIOD, 1).await.unwrap());
-        alone.push(module.take("qag:alone", COUNT, PERIOD, 1).await.unwrap());
+        mixed.push(
+            through
+                .take(&Bucket::with_key("qag:shared", COUNT, PERIOD), 1)
+                .await
+                .unwrap(),
+        );
+        alone.push(
+            module
+                .take(&Bucket::with_key("qag:alone", COUNT, PERIOD), 1)
+                .await
+                .unwrap(),
+        );
     }
     let verdicts = |decisions: &[qag_client::Decision]| -> Vec<(bool, u64)> {
         decisions.iter().map(|d| (d.allowed, d.remaining)).collect()
@@ -256,18 +306,29 @@ async fn a_user_with_only_the_module_commands() {
         if without_module {
             // COMMAND is not granted either: the module command is tried, is unknown,
             // and the script is refused: a permission error, not a missing module.
-            let answer = auto.take("qag:k", COUNT, PERIOD, 1).await;
+            let answer = auto
+                .take(&Bucket::with_key("qag:k", COUNT, PERIOD), 1)
+                .await;
             assert!(matches!(answer, Err(Error::Permission(_))), "{answer:?}");
         } else {
-            let decision = auto.take("qag:k", COUNT, PERIOD, 1).await.unwrap();
+            let decision = auto
+                .take(&Bucket::with_key("qag:k", COUNT, PERIOD), 1)
+                .await
+                .unwrap();
             assert_eq!(decision.answered_by, AnsweredBy::Module);
             let pair = auto
-                .take_pair("qag:{t}c", 3, 1.0, "qag:{t}k", 5, 60.0, 1)
+                .take_pair(
+                    &Bucket::with_key("qag:{t}c", 3, 1.0),
+                    &Bucket::with_key("qag:{t}k", 5, 60.0),
+                    1,
+                )
                 .await
                 .unwrap();
             assert!(pair.allowed());
         }
-        let answer = script.take("qag:k", COUNT, PERIOD, 1).await;
+        let answer = script
+            .take(&Bucket::with_key("qag:k", COUNT, PERIOD), 1)
+            .await;
         assert!(matches!(answer, Err(Error::Permission(_))), "{answer:?}");
     }
 }
@@ -318,17 +379,17 @@ async fn auto_follows_a_restart_without_and_with_the_module() {
         Err(error) => assert!(error.is_unavailable(), "{error}"),
     };
     for _ in 0..2 {
-        take(auto.take("qag:k", 10, PERIOD, 1).await);
+        take(auto.take(&Bucket::with_key("qag:k", 10, PERIOD), 1).await);
     }
     server.shutdown();
     let server = start(true, Some(port));
     for _ in 0..3 {
-        take(auto.take("qag:k", 10, PERIOD, 1).await);
+        take(auto.take(&Bucket::with_key("qag:k", 10, PERIOD), 1).await);
     }
     server.shutdown();
     let _server = start(false, Some(port));
     for _ in 0..3 {
-        take(auto.take("qag:k", 10, PERIOD, 1).await);
+        take(auto.take(&Bucket::with_key("qag:k", 10, PERIOD), 1).await);
     }
     eprintln!("answers across the restarts: {seen:?}");
     use AnsweredBy::{Module, Script};
@@ -365,25 +426,37 @@ async fn a_refund_gives_tokens_back_through_module_and_script_alike() {
         for _ in 0..COUNT {
             assert!(
                 limiter
-                    .take("qag:r", COUNT, PERIOD, 1)
+                    .take(&Bucket::with_key("qag:r", COUNT, PERIOD), 1)
                     .await
                     .unwrap()
                     .allowed
             );
         }
-        let back = limiter.refund("qag:r", COUNT, PERIOD, 2).await.unwrap();
+        let back = limiter
+            .refund(&Bucket::with_key("qag:r", COUNT, PERIOD), 2)
+            .await
+            .unwrap();
         assert_eq!((back.remaining, back.answered_by), (2, by));
-        let next = limiter.take("qag:r", COUNT, PERIOD, 1).await.unwrap();
+        let next = limiter
+            .take(&Bucket::with_key("qag:r", COUNT, PERIOD), 1)
+            .await
+            .unwrap();
         assert_eq!((next.allowed, next.remaining), (true, 1));
-        let capped = limiter.refund("qag:r", COUNT, PERIOD, 100).await.unwrap();
+        let capped = limiter
+            .refund(&Bucket::with_key("qag:r", COUNT, PERIOD), 100)
+            .await
+            .unwrap();
         assert_eq!(capped.remaining, COUNT);
         // A missing bucket is full and stays missing.
-        let missing = limiter.refund("qag:none", COUNT, PERIOD, 1).await.unwrap();
+        let missing = limiter
+            .refund(&Bucket::with_key("qag:none", COUNT, PERIOD), 1)
+            .await
+            .unwrap();
         assert_eq!(missing.remaining, COUNT);
         let exists: i64 = cmd("EXISTS").arg("qag:none").query(&mut raw).unwrap();
         assert_eq!(exists, 0);
         assert!(matches!(
-            limiter.refund("qag:r", COUNT, PERIOD, 0).await,
+            limiter.refund(&Bucket::with_key("qag:r", COUNT, PERIOD), 0).await,
             Err(Error::InvalidArgument(why)) if why.contains("n must be")
         ));
     }

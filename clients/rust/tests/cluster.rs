@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use qag_client::{bucket_key, AnsweredBy, Limiter};
+use qag_client::{bucket_key, AnsweredBy, Bucket, Limiter};
 
 async fn cluster_limiter(nodes: &[Server]) -> Limiter<redis::cluster_async::ClusterConnection> {
     let urls: Vec<String> = nodes
@@ -44,7 +44,11 @@ async fn tagged_pairs_by_module_and_by_script_across_the_cluster() {
             let key = bucket_key("key", 60, 60.0, "partner", Some(&tag));
             for n in 0..3 {
                 let pair = limiter
-                    .take_pair(&client, 2, 60.0, &key, 60, 60.0, 1)
+                    .take_pair(
+                        &Bucket::with_key(&client, 2, 60.0),
+                        &Bucket::with_key(&key, 60, 60.0),
+                        1,
+                    )
                     .await
                     .unwrap();
                 assert_eq!(pair.answered_by(), expected);
@@ -64,7 +68,10 @@ async fn tagged_pairs_by_module_and_by_script_across_the_cluster() {
                 let sha = load_script(&mut con);
                 let _: () = cmd("SCRIPT").arg("FLUSH").query(&mut con).unwrap();
                 // Flushed on the owner: the next call loads it there again.
-                let decision = limiter.take(&client, 2, 60.0, 1).await.unwrap();
+                let decision = limiter
+                    .take(&Bucket::with_key(&client, 2, 60.0), 1)
+                    .await
+                    .unwrap();
                 assert_eq!(decision.answered_by, AnsweredBy::Script);
                 let loaded: Vec<bool> = cmd("SCRIPT")
                     .arg("EXISTS")

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use qag_client::{
-    AnsweredBy, Backend, Error, Lease, Limiter, Options, Per, Quota, Recorded, Scope,
+    AnsweredBy, Backend, Error, Lease, Limiter, Options, Per, Quota, Recorded, RetryAfter, Scope,
 };
 use redis::aio::MultiplexedConnection;
 
@@ -47,7 +47,10 @@ async fn the_lease_guard_renews_releases_and_reports_a_lost_lease() {
         assert!(!guard.is_lost());
     }
     match limiter.lease("qag:run", 1, ttl, "q2").await.unwrap() {
-        Lease::Refused(refusal) => assert_eq!((refusal.live, refusal.retry_after), (1, 1)),
+        Lease::Refused(refusal) => assert_eq!(
+            (refusal.live, refusal.retry_after),
+            (1, RetryAfter::Seconds(1))
+        ),
         Lease::Held(_) => panic!("a second holder got the only slot"),
     }
     assert_eq!(guard.release().await, Ok(true));
@@ -156,7 +159,10 @@ async fn quotas_and_windows_are_typed() {
     let second = limiter.admit(&scopes, Some(60)).await.unwrap();
     assert!(!second.admitted);
     assert_eq!(second.refused_by, Some(1));
-    assert!(second.retry_after >= 1);
+    assert!(second
+        .retry_after
+        .seconds()
+        .is_some_and(|seconds| seconds >= 1));
     let keys = ["qag:win:{a}:org", "qag:win:{a}:key"];
     assert_eq!(
         limiter.record(&keys, 700, None).await,

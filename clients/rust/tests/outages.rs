@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use qag_client::{
-    AnsweredBy, Error, Headers, Lease, Limiter, OnUnavailable, Options, Per, Quota, Scope,
+    AnsweredBy, Bucket, Error, Headers, Lease, Limiter, OnUnavailable, Options, Per, Quota, Scope,
 };
 use redis::aio::ConnectionManager;
 
@@ -115,7 +115,11 @@ async fn a_thousand_concurrent_calls_are_not_an_outage() {
     let limiter = limiter(&server, policy(OnUnavailable::Local)).await;
     let calls = (0..1000).map(|_| {
         let limiter = limiter.clone();
-        tokio::spawn(async move { limiter.take("qag:busy", 50, 36000.0, 1).await })
+        tokio::spawn(async move {
+            limiter
+                .take(&Bucket::with_key("qag:busy", 50, 36000.0), 1)
+                .await
+        })
     });
     let mut allowed = 0;
     for call in calls.collect::<Vec<_>>() {
@@ -134,12 +138,8 @@ async fn a_thousand_concurrent_calls_are_not_an_outage() {
 async fn request(limiter: &Limiter<ConnectionManager>, n: u32) -> Result<bool, Error> {
     let pair = limiter
         .take_pair(
-            "qag:ratelimit:client:1000/60:203.0.113.9",
-            1000,
-            60.0,
-            "qag:ratelimit:key:1000/60:acme~partner",
-            1000,
-            60.0,
+            &Bucket::with_key("qag:ratelimit:client:1000/60:203.0.113.9", 1000, 60.0),
+            &Bucket::with_key("qag:ratelimit:key:1000/60:acme~partner", 1000, 60.0),
             1,
         )
         .await?;
@@ -253,7 +253,9 @@ async fn an_outage_costs_one_deadline_per_back_off_under_every_policy() {
     // After SIGCONT, Redis answers again within one back-off (5 s from the stop).
     for (limiter, on_unavailable) in limiters.iter().zip(policies) {
         loop {
-            let answer = limiter.take("qag:after", 10, 60.0, 1).await;
+            let answer = limiter
+                .take(&Bucket::with_key("qag:after", 10, 60.0), 1)
+                .await;
             if matches!(answer, Ok(decision) if decision.answered_by == AnsweredBy::Module) {
                 break;
             }
@@ -281,14 +283,21 @@ async fn local_counting_never_multiplies_a_limit() {
     };
     let limiter = limiter(&server, options).await;
     // Known to have the module, 10 of 10 left in Redis.
-    assert!(limiter.peek("qag:other", 10, 36000.0, 1).await.is_ok());
+    assert!(limiter
+        .peek(&Bucket::with_key("qag:other", 10, 36000.0), 1)
+        .await
+        .is_ok());
     let _stopped = Stopped::new(&server);
     // 200 calls in flight when the server stops: all fail together, and share one set of
     // local buckets, half of 10 with the share of a half.
     let calls: Vec<_> = (0..200)
         .map(|_| {
             let limiter = limiter.clone();
-            tokio::spawn(async move { limiter.take("qag:shared", 10, 36000.0, 1).await })
+            tokio::spawn(async move {
+                limiter
+                    .take(&Bucket::with_key("qag:shared", 10, 36000.0), 1)
+                    .await
+            })
         })
         .collect();
     let mut allowed = 0;
@@ -302,7 +311,7 @@ async fn local_counting_never_multiplies_a_limit() {
     for _ in 0..50 {
         assert!(
             !limiter
-                .take("qag:shared", 10, 36000.0, 1)
+                .take(&Bucket::with_key("qag:shared", 10, 36000.0), 1)
                 .await
                 .unwrap()
                 .allowed
@@ -497,7 +506,11 @@ async fn one_address_across_several_keys_is_limited_by_its_own_bucket() {
         let per_key = qag_client::bucket_key("key", 100, 3600.0, key, None);
         for _ in 0..5 {
             let pair = limiter
-                .take_pair(&per_ip, 5, 3600.0, &per_key, 100, 3600.0, 1)
+                .take_pair(
+                    &Bucket::with_key(&per_ip, 5, 3600.0),
+                    &Bucket::with_key(&per_key, 100, 3600.0),
+                    1,
+                )
                 .await
                 .unwrap();
             allowed += u32::from(pair.allowed());

@@ -71,7 +71,7 @@ fn the_take_example_prints_one_line() {
         );
         assert_eq!(
             text(&run.stdout),
-            "allowed=0 remaining=59 retry_after=-1 backend=script\n"
+            "allowed=0 remaining=59 retry_after=never backend=script\n"
         );
         let run = example(
             "take",

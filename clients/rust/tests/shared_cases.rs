@@ -3,7 +3,7 @@
 
 use qag_client::decision::{AnsweredBy, Decision, LeaseRefusal, QuotaDecision, QuotaUsage};
 use qag_client::local::LocalBuckets;
-use qag_client::{bucket_key, Headers};
+use qag_client::{bucket_key, Headers, RetryAfter};
 use serde_json::Value;
 
 fn cases() -> Value {
@@ -27,7 +27,7 @@ fn bucket(value: &Value) -> Option<Decision> {
         limit: u64_of(&value["limit"]),
         period: value["period"].as_f64().unwrap(),
         remaining: u64_of(&value["remaining"]),
-        retry_after: value["retry_after"].as_i64().unwrap(),
+        retry_after: RetryAfter::from_reply(value["retry_after"].as_i64().unwrap()).unwrap(),
         answered_by: match value["answered_by"].as_str() {
             None | Some("module") => AnsweredBy::Module,
             Some("forwarded") => AnsweredBy::Forwarded,
@@ -63,7 +63,7 @@ fn lease(value: &Value) -> Option<LeaseRefusal> {
     value.as_object()?;
     Some(LeaseRefusal {
         live: u64_of(&value["live"]),
-        retry_after: u64_of(&value["retry_after"]),
+        retry_after: RetryAfter::Seconds(u64_of(&value["retry_after"])),
         answered_by: AnsweredBy::Module,
     })
 }
