@@ -18,12 +18,12 @@ python_oldest=$(scripts/python-env.sh redis==5.0.8)
 failed=()
 if [ -n "${QAG_REDIS_URL:-}" ]; then
   echo "== integration tests against $QAG_REDIS_URL"
-  cargo test --no-fail-fast --package qag --package qag-client --tests -- --show-output || failed+=("$QAG_REDIS_URL")
+  cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || failed+=("$QAG_REDIS_URL")
   "$python" -m pytest -q clients/python/tests || failed+=("$QAG_REDIS_URL (python)")
 else
   while read -r name path; do
     echo "== integration tests on $name ($("$path" --version | cut -d' ' -f1-3))"
-    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --tests -- --show-output || failed+=("$name")
+    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || failed+=("$name")
     REDIS_SERVER=$path "$python" -m pytest -q clients/python/tests || failed+=("$name (python)")
   done < <(scripts/servers.sh)
   echo "== the Python client with the oldest redis-py it supports (5.0.8), on redis-7.0"

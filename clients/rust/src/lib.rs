@@ -10,6 +10,7 @@
 //! [`Limiter`] is the thin layer that talks to Redis through any
 //! `redis::aio::ConnectionLike`, one file per command family.
 
+pub mod answers;
 mod buckets;
 pub mod decision;
 mod error;
@@ -20,6 +21,8 @@ pub mod local;
 pub mod naming;
 mod policy;
 mod quotas;
+#[cfg(feature = "tower")]
+pub mod tower;
 mod windows;
 
 pub use decision::{

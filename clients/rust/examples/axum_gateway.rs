@@ -1,0 +1,145 @@
+//! A gateway on axum, limited by qag's tower layer: the address's bucket, the key's
+//! bucket, its calls quota and its concurrent queries, with the answers of ADR 0032.
+//!
+//! cargo run --release -p qag-client --features tower --example axum_gateway -- \
+//!   --redis redis://127.0.0.1:6379/ --listen 127.0.0.1:8080 [--client-limit 20/1] \
+//!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000 --quota-per month \
+//!   --quota-tz Europe/Berlin] [--policy raise|forward|local]
+//!
+//! GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a
+//! body streamed in `chunks` pieces over work_ms.
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Query};
+use axum::routing::get;
+use axum::{Extension, Router};
+use qag_client::tower::{Admitted, KeyLimits, RateLimitLayer};
+use qag_client::{Limiter, OnUnavailable, Options, Per, Quota};
+
+async fn query(
+    Query(work): Query<HashMap<String, String>>,
+    Extension(admitted): Extension<Admitted>,
+) -> Body {
+    let number = |name: &str| work.get(name).and_then(|n| n.parse::<u64>().ok());
+    let wait = Duration::from_millis(number("work_ms").unwrap_or(0));
+    let Some(chunks) = number("chunks").filter(|n| *n > 0).map(|n| n as u32) else {
+        tokio::time::sleep(wait).await;
+        return Body::from(format!("{{\"request_id\":\"{}\"}}", admitted.request_id));
+    };
+    let pieces = futures_util::stream::unfold(0, move |sent| async move {
+        if sent == chunks {
+            return None;
+        }
+        tokio::time::sleep(wait / chunks).await;
+        Some((Ok::<_, std::io::Error>(format!("row {sent}\n")), sent + 1))
+    });
+    Body::from_stream(pieces)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse(std::env::args().skip(1))?;
+    // The limiter set-up: a policy for outages, the limits, where address and key come from.
+    let options = Options {
+        on_unavailable: args.policy,
+        ..Options::default()
+    };
+    let limiter = Limiter::connect(&args.redis, options).await?;
+    let mut limits = RateLimitLayer::new(limiter)
+        .client_address(|parts| {
+            let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>()?;
+            Some(peer.0.ip().to_string())
+        })
+        .api_key(|parts| {
+            let query = parts.uri.query()?;
+            let pair = query.split('&').find_map(|pair| pair.strip_prefix("key="));
+            pair.map(str::to_owned)
+        })
+        .key_limits(KeyLimits {
+            bucket: args.key_limit,
+            max_concurrent: args.max_concurrent,
+            quota: args.quota,
+        });
+    if let Some((count, period)) = args.client_limit {
+        limits = limits.client_bucket(count, period);
+    }
+    let app = Router::new().route("/v1/query", get(query)).layer(limits);
+    let listener = tokio::net::TcpListener::bind(&args.listen).await?;
+    println!("listening on {}", listener.local_addr()?);
+    let service = app.into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, service).await?;
+    Ok(())
+}
+
+/// The command line.
+struct Args {
+    redis: String,
+    listen: String,
+    client_limit: Option<(u64, f64)>,
+    key_limit: Option<(u64, f64)>,
+    max_concurrent: Option<u64>,
+    quota: Option<Quota>,
+    policy: OnUnavailable,
+}
+
+impl Args {
+    fn parse(mut words: impl Iterator<Item = String>) -> Result<Args, String> {
+        let mut args = Args {
+            redis: "redis://127.0.0.1:6379/".into(),
+            listen: "127.0.0.1:8080".into(),
+            client_limit: None,
+            key_limit: None,
+            max_concurrent: None,
+            quota: None,
+            policy: OnUnavailable::Raise,
+        };
+        let (mut calls, mut per, mut zone) = (None, Per::Month, "UTC".to_string());
+        while let Some(flag) = words.next() {
+            let value = words.next().ok_or(format!("{flag} needs a value"))?;
+            let number = |what: &str| value.parse::<u64>().map_err(|_| format!("{what}: {value}"));
+            match flag.as_str() {
+                "--redis" => args.redis = value,
+                "--listen" => args.listen = value,
+                "--client-limit" => args.client_limit = Some(rate(&value)?),
+                "--key-limit" => args.key_limit = Some(rate(&value)?),
+                "--max-concurrent" => args.max_concurrent = Some(number("--max-concurrent")?),
+                "--quota-calls" => calls = Some(number("--quota-calls")?),
+                "--quota-tz" => zone = value,
+                "--quota-per" => {
+                    per = match value.as_str() {
+                        "day" => Per::Day,
+                        "month" => Per::Month,
+                        _ => return Err(format!("--quota-per: day or month, not {value}")),
+                    }
+                }
+                "--policy" => {
+                    args.policy = match value.as_str() {
+                        "raise" => OnUnavailable::Raise,
+                        "forward" => OnUnavailable::Forward,
+                        "local" => OnUnavailable::Local,
+                        _ => return Err(format!("--policy: raise, forward or local, not {value}")),
+                    }
+                }
+                _ => return Err(format!("unknown flag {flag}")),
+            }
+        }
+        args.quota = calls.map(|calls| Quota {
+            per,
+            zone,
+            calls: Some(calls),
+            rows: None,
+        });
+        Ok(args)
+    }
+}
+
+/// `COUNT/PERIOD`, e.g. `20/1`.
+fn rate(text: &str) -> Result<(u64, f64), String> {
+    let parsed = text
+        .split_once('/')
+        .and_then(|(count, period)| Some((count.parse().ok()?, period.parse().ok()?)));
+    parsed.ok_or(format!("a rate is COUNT/PERIOD, not {text}"))
+}

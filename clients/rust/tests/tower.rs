@@ -1,0 +1,325 @@
+//! The tower layer as a user runs it: examples/axum_gateway.rs, started as a program
+//! against a real server, driven by a real HTTP client. Exact headers call by call, the
+//! 429 at the right request with ADR 0032's body, the client's bucket refusing without
+//! touching the key's, refunds on later refusals, the quota counting down, streams
+//! holding their slot to the last byte, and a client gone mid-stream freeing it.
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The example gateway, running until dropped.
+struct Gateway {
+    child: Child,
+    base: String,
+}
+
+impl Gateway {
+    fn start(server: &Server, flags: &[&str]) -> Gateway {
+        let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args([
+                "run",
+                "--quiet",
+                "--package",
+                "qag-client",
+                "--features",
+                "tower",
+                "--example",
+                "axum_gateway",
+                "--",
+                "--redis",
+                &format!("redis://127.0.0.1:{}/", server.port),
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .args(flags)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run the axum gateway example");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let address = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("the gateway said {line:?}"))
+            .to_owned();
+        Gateway {
+            child,
+            base: format!("http://{address}"),
+        }
+    }
+
+    fn url(&self, query: &str) -> String {
+        format!("{}/v1/query?{query}", self.base)
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Status, the rate-limit header fields (name=value, in order) and the body.
+async fn get(url: &str) -> (u16, Vec<String>, String) {
+    let response = reqwest::get(url).await.unwrap();
+    let status = response.status().as_u16();
+    let fields = response
+        .headers()
+        .iter()
+        .filter(|(name, _)| {
+            let name = name.as_str();
+            name.starts_with("x-ratelimit") || name.starts_with("x-quota") || name == "retry-after"
+        })
+        .filter(|(name, _)| name.as_str() != "x-quota-reset")
+        .map(|(name, value)| format!("{name}={}", value.to_str().unwrap()))
+        .collect();
+    (status, fields, response.text().await.unwrap())
+}
+
+fn fields(list: &[&str]) -> Vec<String> {
+    list.iter().map(|field| field.to_string()).collect()
+}
+
+fn bucket_tokens(con: &mut Connection, key: &str) -> Option<i64> {
+    bucket_fields(con, key).map(|(tokens, _)| tokens.floor() as i64)
+}
+
+/// The request id a refusal names, for comparing bodies whole.
+fn without_request_id(body: &str) -> String {
+    match body.split_once(",\"request_id\":") {
+        Some((head, _)) => format!("{head}}}"),
+        None => body.to_owned(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_client_bucket_refuses_first_and_leaves_the_key_bucket_alone() {
+    if external("the_client_bucket_refuses_first_and_leaves_the_key_bucket_alone") {
+        return;
+    }
+    for without_module in [false, true] {
+        let server = Server::start(&ServerOptions {
+            without_module,
+            ..Default::default()
+        });
+        let mut con = server.client().get_connection().unwrap();
+        let gateway = Gateway::start(
+            &server,
+            &["--client-limit", "3/3600", "--key-limit", "100/3600"],
+        );
+        let url = gateway.url("key=acme~a");
+        for left in ["2", "1", "0"] {
+            let key_left = format!(
+                "x-ratelimit-key-remaining={}",
+                97 + left.parse::<u64>().unwrap()
+            );
+            let (status, got, _) = get(&url).await;
+            assert_eq!(status, 200);
+            assert_eq!(
+                got,
+                fields(&[
+                    "x-ratelimit-limit=3",
+                    &format!("x-ratelimit-remaining={left}"),
+                    "x-ratelimit-key-limit=100",
+                    &key_left,
+                ])
+            );
+        }
+        let (status, got, body) = get(&url).await;
+        assert_eq!(status, 429);
+        assert_eq!(
+            got,
+            fields(&[
+                "x-ratelimit-limit=3",
+                "x-ratelimit-remaining=0",
+                "retry-after=1200"
+            ])
+        );
+        assert_eq!(
+            without_request_id(&body),
+            r#"{"error":"Rate limit exceeded","code":"rate_limited","retry_after":1200}"#
+        );
+        assert!(body.contains(r#","request_id":""#));
+        // The key's bucket was counted three times, not four.
+        let key = "qag:ratelimit:key:100/3600:acme~a";
+        assert_eq!(
+            bucket_tokens(&mut con, key),
+            Some(97),
+            "module {}",
+            !without_module
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_bucket_refusal_gives_the_client_token_back() {
+    if external("a_key_bucket_refusal_gives_the_client_token_back") {
+        return;
+    }
+    for without_module in [false, true] {
+        let server = Server::start(&ServerOptions {
+            without_module,
+            ..Default::default()
+        });
+        let mut con = server.client().get_connection().unwrap();
+        let gateway = Gateway::start(
+            &server,
+            &["--client-limit", "1000/3600", "--key-limit", "2/3600"],
+        );
+        let url = gateway.url("key=acme~b");
+        for _ in 0..2 {
+            assert_eq!(get(&url).await.0, 200);
+        }
+        let (status, got, body) = get(&url).await;
+        assert_eq!(status, 429);
+        assert_eq!(
+            got,
+            fields(&[
+                "x-ratelimit-limit=1000",
+                "x-ratelimit-remaining=998",
+                "x-ratelimit-key-limit=2",
+                "x-ratelimit-key-remaining=0",
+                "retry-after=1800",
+            ])
+        );
+        assert_eq!(
+            without_request_id(&body),
+            r#"{"error":"Rate limit exceeded for this API key","code":"rate_limited","retry_after":1800}"#
+        );
+        let client = "qag:ratelimit:client:1000/3600:127.0.0.1";
+        assert_eq!(bucket_tokens(&mut con, client), Some(998));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_quota_counts_down_then_refuses_and_costs_no_tokens() {
+    if external("the_quota_counts_down_then_refuses_and_costs_no_tokens") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let gateway = Gateway::start(
+        &server,
+        &[
+            "--key-limit",
+            "100/3600",
+            "--quota-calls",
+            "3",
+            "--quota-per",
+            "day",
+        ],
+    );
+    let url = gateway.url("key=acme~q");
+    for (left, key_left) in [("2", "99"), ("1", "98"), ("0", "97")] {
+        let (status, got, _) = get(&url).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            got,
+            fields(&[
+                "x-ratelimit-key-limit=100",
+                &format!("x-ratelimit-key-remaining={key_left}"),
+                &format!("x-quota-remaining-calls={left}"),
+            ])
+        );
+    }
+    let (status, got, body) = get(&url).await;
+    assert_eq!(status, 429);
+    assert_eq!(
+        &got[..3],
+        &fields(&[
+            "x-ratelimit-key-limit=100",
+            "x-ratelimit-key-remaining=97",
+            "x-quota-remaining-calls=0",
+        ])[..]
+    );
+    assert!(got[3].starts_with("retry-after="));
+    assert!(body.starts_with(
+        r#"{"error":"Quota exceeded for this API key","code":"quota_exceeded","retry_after":"#
+    ));
+    assert!(
+        body.contains(r#","exceeded":"calls","resets_at":"#),
+        "{body}"
+    );
+    let key = "qag:ratelimit:key:100/3600:acme~q";
+    assert_eq!(bucket_tokens(&mut con, key), Some(97));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_hold_their_slot_to_the_last_byte() {
+    if external("streams_hold_their_slot_to_the_last_byte") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let gateway = Gateway::start(
+        &server,
+        &["--key-limit", "100/3600", "--max-concurrent", "2"],
+    );
+    let slots = "qag:running:acme~s";
+    let leases = |con: &mut Connection| -> i64 { cmd("QAG.LEASES").arg(slots).query(con).unwrap() };
+    // Three streams of 5 rows over 1.5 s at once: two hold the slots, one is refused.
+    let url = gateway.url("key=acme~s&work_ms=1500&chunks=5");
+    let streams: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { get(&url).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(leases(&mut con), 2, "the streams hold their slots mid-body");
+    let mut answers = Vec::new();
+    for stream in streams {
+        answers.push(stream.await.unwrap());
+    }
+    answers.sort_by_key(|(status, _, _)| *status);
+    assert_eq!(
+        answers
+            .iter()
+            .map(|(status, _, _)| *status)
+            .collect::<Vec<_>>(),
+        [200, 200, 429]
+    );
+    assert_eq!(answers[0].2.lines().count(), 5);
+    assert_eq!(
+        without_request_id(&answers[2].2),
+        r#"{"error":"Too many concurrent requests for this API key","code":"too_many_concurrent","retry_after":1}"#
+    );
+    assert!(answers[2].1.contains(&"retry-after=1".to_string()));
+    let until = Instant::now() + Duration::from_secs(1);
+    while leases(&mut con) != 0 {
+        assert!(
+            Instant::now() < until,
+            "slots still held after the streams ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The refused request cost no tokens: two of 100 spent.
+    let key = "qag:ratelimit:key:100/3600:acme~s";
+    assert_eq!(bucket_tokens(&mut con, key), Some(98));
+
+    // A client that goes away mid-stream frees its slot within a second.
+    let mut response = reqwest::get(gateway.url("key=acme~s&work_ms=10000&chunks=10"))
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(response.chunk().await.unwrap().is_some());
+    assert_eq!(leases(&mut con), 1);
+    drop(response);
+    let gone = Instant::now();
+    while leases(&mut con) != 0 {
+        assert!(
+            gone.elapsed() < Duration::from_secs(1),
+            "the slot outlived its client"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
