@@ -19,7 +19,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -200,7 +200,7 @@ pub struct Admitted {
     pub key: Option<Decision>,
     /// The quota check before the call (the call is added after the handler answers).
     pub quota: Option<QuotaDecision>,
-    /// Rows to add to the key's quota (a request extension too).
+    /// Rows to add to the key's quota.
     pub rows: ReportRows,
 }
 
@@ -250,10 +250,10 @@ where
                 Ok(admitted) => admitted,
                 Err(refusal) => return Ok(request.refuse(refusal)),
             };
-            parts.extensions.insert(admitted.rows.clone());
-            parts.extensions.insert(admitted.clone());
+            let rows = admitted.rows.clone();
+            parts.extensions.insert(admitted);
             let response = inner.call(Request::from_parts(parts, body)).await?;
-            Ok(request.answered(response, admitted).await)
+            Ok(request.answered(response, rows).await)
         })
     }
 }
@@ -265,7 +265,10 @@ where
 {
     limiter: &'a Limiter<C>,
     config: &'a Config,
+    /// Unique to this request in this process: its slot's lease id.
+    id: String,
     request_id: String,
+    quota_key: Option<String>,
     api_key: Option<String>,
     limits: KeyLimits,
     client_bucket: Option<Bucket>,
@@ -281,12 +284,13 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     fn new(limiter: &'a Limiter<C>, config: &'a Config, parts: &Parts) -> Self {
+        let id = unique_id();
         let request_id = parts
             .headers
             .get("x-request-id")
             .and_then(|v| v.to_str().ok())
             .filter(|id| !id.is_empty() && id.len() <= 128)
-            .map_or_else(unique_id, str::to_owned);
+            .map_or_else(|| id.clone(), str::to_owned);
         let api_key = (config.api_key)(parts);
         let limits = api_key
             .as_deref()
@@ -299,10 +303,16 @@ where
             (Some(key), Some((count, period))) => Some(Bucket::named("key", count, period, key)),
             _ => None,
         };
+        let quota_key = match (&api_key, &limits.quota) {
+            (Some(key), Some(_)) => Some(format!("qag:quota:{key}")),
+            _ => None,
+        };
         Limited {
             limiter,
             config,
+            id,
             request_id,
+            quota_key,
             api_key,
             limits,
             client_bucket,
@@ -350,10 +360,10 @@ where
                 });
             }
         }
-        if let (Some(api_key), Some(quota)) = (&self.api_key, &self.limits.quota) {
+        if let (Some(quota_key), Some(quota)) = (&self.quota_key, &self.limits.quota) {
             let check = self
                 .limiter
-                .quota_check(&quota_key(api_key), quota)
+                .quota_check(quota_key, quota)
                 .await
                 .map_err(|error| self.failed(&error))?;
             self.quota = Some(check);
@@ -375,7 +385,7 @@ where
             let slots = format!("qag:running:{api_key}");
             let lease = self
                 .limiter
-                .lease(&slots, max, self.config.lease_ttl, &unique_id())
+                .lease(&slots, max, self.config.lease_ttl, &self.id)
                 .await
                 .map_err(|error| self.failed(&error))?;
             match lease {
@@ -465,19 +475,15 @@ where
     async fn answered<R>(
         mut self,
         response: Response<R>,
-        admitted: Admitted,
+        rows: ReportRows,
     ) -> Response<LimitedBody<R>> {
         let mut quota_after = self.quota;
-        let quota = match (&self.api_key, &self.limits.quota) {
-            (Some(api_key), Some(quota)) => Some((quota_key(api_key), quota.clone())),
+        let quota = match (self.quota_key.take(), &self.limits.quota) {
+            (Some(key), Some(quota)) => Some((key, quota.clone())),
             _ => None,
         };
         if let Some((key, quota)) = &quota {
-            match self
-                .limiter
-                .quota_add(key, quota, 1, admitted.rows.take())
-                .await
-            {
+            match self.limiter.quota_add(key, quota, 1, rows.take()).await {
                 Ok(usage) => quota_after = self.quota.map(|check| check.after_add(&usage)),
                 Err(error) => {
                     log::warn!(target: "qag_client", "quota add for {key} failed: {error}")
@@ -489,7 +495,7 @@ where
         parts.headers.extend(fields);
         let at_end = AtEnd {
             guard: self.guard.take(),
-            rows: quota.map(|(key, quota)| (self.limiter.clone(), key, quota, admitted.rows)),
+            rows: quota.map(|(key, quota)| (self.limiter.clone(), key, quota, rows)),
         };
         Response::from_parts(parts, LimitedBody::Answer(body, Some(Box::new(at_end))))
     }
@@ -574,27 +580,22 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
     }
 }
 
-fn quota_key(api_key: &str) -> String {
-    format!("qag:quota:{api_key}")
-}
-
 fn unix_seconds() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs() as i64)
 }
 
-/// An id unique to this process's requests: never a caller's text, so two requests can
-/// never share a slot by sending one request id.
+/// An id unique to this process's requests (the process and its start, then a count):
+/// never a caller's text, so two requests can never share a slot by sending one id.
 fn unique_id() -> String {
+    static PROCESS: OnceLock<String> = OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_nanos() as u64);
-    format!(
-        "{:x}-{:x}-{:x}",
-        std::process::id(),
-        nanos,
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    let process = PROCESS.get_or_init(|| {
+        let started = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos() as u64);
+        format!("{:x}-{started:x}", std::process::id())
+    });
+    format!("{process}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }

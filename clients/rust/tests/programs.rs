@@ -120,6 +120,21 @@ fn the_take_example_prints_one_line() {
 }
 
 #[test]
+fn the_readme_shows_the_axum_gateways_set_up_verbatim() {
+    let source =
+        std::fs::read_to_string(repository_root().join("clients/rust/examples/axum_gateway.rs"))
+            .unwrap();
+    let readme = std::fs::read_to_string(repository_root().join("README.md")).unwrap();
+    let start = source.find("#[tokio::main]").unwrap();
+    let end = source.find("/// The command line.").unwrap();
+    let set_up = source[start..end].trim_end();
+    assert!(
+        readme.contains(&format!("```rust\n{set_up}\n```\n")),
+        "README.md does not show axum_gateway.rs's main verbatim"
+    );
+}
+
+#[test]
 fn the_gateway_example_runs_and_is_the_readmes() {
     let source =
         std::fs::read_to_string(repository_root().join("clients/rust/examples/gateway.rs"))
