@@ -64,7 +64,8 @@ impl BucketCall {
     }
 
     fn decision(&self, reply: &[i64], answered_by: AnsweredBy) -> Result<Decision, Error> {
-        Decision::from_reply(reply, self.count, self.period, answered_by).map_err(Error::Server)
+        Decision::from_reply(reply, self.count, self.period, answered_by)
+            .map_err(|why| Error::Server(why.into()))
     }
 
     /// Not counted: the caller lets the request through.
@@ -254,7 +255,7 @@ where
             };
             Ok(Refunded {
                 remaining: u64::try_from(left)
-                    .map_err(|_| Error::Server(format!("a QAG.REFUND reply, got {left}")))?,
+                    .map_err(|_| Error::Server(format!("a QAG.REFUND reply, got {left}").into()))?,
                 answered_by,
             })
         };

@@ -3,19 +3,72 @@
 
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
+/// Why a call failed: the text, and the driver's error it came from, if any (for
+/// `std::error::Error::source`). Compared by its text.
+#[derive(Clone, Debug)]
+pub struct Reason {
+    text: String,
+    source: Option<Arc<RedisError>>,
+}
+
+impl Reason {
+    fn from_redis(error: &RedisError) -> Reason {
+        Reason {
+            text: error.to_string(),
+            source: Some(Arc::new(error.clone())),
+        }
+    }
+}
+
+impl From<String> for Reason {
+    fn from(text: String) -> Reason {
+        Reason { text, source: None }
+    }
+}
+
+impl From<&str> for Reason {
+    fn from(text: &str) -> Reason {
+        Reason::from(text.to_owned())
+    }
+}
+
+impl Deref for Reason {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.text
+    }
+}
+
+impl PartialEq for Reason {
+    fn eq(&self, other: &Reason) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Reason {}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Error {
     /// The server could not be reached, dropped the connection, or is not serving
-    /// (loading, cluster down, no primary for the slot).
-    Unavailable(String),
+    /// (loading, cluster down, no primary for the slot), or a back-off is running.
+    Unavailable(Reason),
     /// No reply in time: within the limiter's per-call deadline, or the connection's
     /// own response timeout (redis-rs's default is also 0.5 s). Whether the server ran
     /// the command is unknown.
     Timeout,
     /// The server refused the command for this user (NOPERM): a configuration error,
     /// never read as a missing module.
-    Permission(String),
+    Permission(Reason),
     /// The call needs the module (backend `Module`, or a command without a script
     /// fallback) and the server does not have it.
     ModuleRequired,
@@ -23,7 +76,7 @@ pub enum Error {
     InvalidArgument(String),
     /// Any other error reply (e.g. WRONGTYPE, CROSSSLOT, OOM), or a reply of an
     /// unexpected shape.
-    Server(String),
+    Server(Reason),
 }
 
 impl Error {
@@ -50,7 +103,17 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Unavailable(reason) | Error::Permission(reason) | Error::Server(reason) => {
+                let source = reason.source.as_deref()?;
+                Some(source)
+            }
+            _ => None,
+        }
+    }
+}
 
 /// A Redis error, sorted by what the limiter does about it.
 #[derive(Debug, PartialEq, Eq)]
@@ -61,10 +124,10 @@ pub(crate) enum Failure {
 }
 
 pub(crate) fn classify(error: &RedisError) -> Failure {
-    let text = error.to_string();
+    let reason = Reason::from_redis(error);
     match error.kind() {
         _ if error.is_timeout() => Failure::Error(Error::Timeout),
-        ErrorKind::Server(ServerErrorKind::NoPerm) => Failure::Error(Error::Permission(text)),
+        ErrorKind::Server(ServerErrorKind::NoPerm) => Failure::Error(Error::Permission(reason)),
         ErrorKind::Io
         | ErrorKind::ClusterConnectionNotFound
         | ErrorKind::Server(
@@ -72,9 +135,9 @@ pub(crate) fn classify(error: &RedisError) -> Failure {
             | ServerErrorKind::ClusterDown
             | ServerErrorKind::MasterDown
             | ServerErrorKind::TryAgain,
-        ) => Failure::Error(Error::Unavailable(text)),
-        _ if is_unknown_command(&text) => Failure::UnknownCommand,
-        _ => Failure::Error(Error::Server(text)),
+        ) => Failure::Error(Error::Unavailable(reason)),
+        _ if is_unknown_command(&reason) => Failure::UnknownCommand,
+        _ => Failure::Error(Error::Server(reason)),
     }
 }
 
@@ -109,10 +172,12 @@ mod tests {
         assert!(matches!(classify(&loading), Failure::Error(e) if e.is_unavailable()));
         let wrongtype =
             server_error("WRONGTYPE Operation against a key holding the wrong kind of value");
-        assert!(matches!(
-            classify(&wrongtype),
-            Failure::Error(Error::Server(_))
-        ));
+        let Failure::Error(error) = classify(&wrongtype) else {
+            panic!("WRONGTYPE is a server error")
+        };
+        assert!(matches!(error, Error::Server(_)));
+        let source = std::error::Error::source(&error).expect("the driver's error");
+        assert!(source.to_string().contains("WRONGTYPE"));
         let io = RedisError::from(std::io::Error::new(
             std::io::ErrorKind::ConnectionReset,
             "reset",

@@ -358,7 +358,9 @@ where
                     retry_after: RetryAfter::Seconds(retry.max(0) as u64),
                     answered_by: AnsweredBy::Module,
                 })),
-                _ => Err(Error::Server(format!("a QAG.LEASE reply, got {reply:?}"))),
+                _ => Err(Error::Server(
+                    format!("a QAG.LEASE reply, got {reply:?}").into(),
+                )),
             }
         };
         let answer = self

@@ -29,7 +29,7 @@ pub use decision::{
     Admission, AnsweredBy, Decision, LeaseRefusal, PairDecision, Per, Quota, QuotaDecision,
     QuotaUsage, Recorded, Refunded, RetryAfter, Scope, Side,
 };
-pub use error::Error;
+pub use error::{Error, Reason};
 pub use headers::Headers;
 pub use leases::{Lease, LeaseGuard};
 pub use limiter::{Backend, Limiter, Options, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA};

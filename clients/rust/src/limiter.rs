@@ -382,9 +382,9 @@ where
         let found = match self.query::<Value>(&command).await {
             Ok(Value::Array(entries)) => !matches!(entries.as_slice(), [] | [Value::Nil]),
             Ok(other) => {
-                return Err(Error::Server(format!(
-                    "a COMMAND INFO reply, got {other:?}"
-                )))
+                return Err(Error::Server(
+                    format!("a COMMAND INFO reply, got {other:?}").into(),
+                ))
             }
             // A user without COMMAND: try the module's command; its answer tells.
             Err(Failure::Error(Error::Permission(_))) => true,

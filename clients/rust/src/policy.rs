@@ -90,10 +90,13 @@ impl Outage {
 
     /// The error `Raise` answers while Redis is left alone.
     pub(crate) fn backing_off_error(&self) -> Error {
-        Error::Unavailable(format!(
-            "backing off after: {}",
-            self.cause.as_deref().unwrap_or("an outage")
-        ))
+        Error::Unavailable(
+            format!(
+                "backing off after: {}",
+                self.cause.as_deref().unwrap_or("an outage")
+            )
+            .into(),
+        )
     }
 }
 

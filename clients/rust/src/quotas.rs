@@ -57,7 +57,8 @@ where
         let args = check(|words| quota::parse_quota(words), &words)?;
         let remote = async {
             let reply: Vec<Option<i64>> = self.module_call(&command(&words)).await?;
-            let decision = QuotaDecision::from_reply(&reply, quota).map_err(Error::Server)?;
+            let decision = QuotaDecision::from_reply(&reply, quota)
+                .map_err(|why| Error::Server(why.into()))?;
             let used = |limit: Option<u64>, left: Option<u64>| {
                 Some(as_count(limit?.saturating_sub(left?)))
             };
@@ -146,7 +147,7 @@ where
         let args = check(|words| quota::parse_quota(words), &words)?;
         let remote = async {
             let reply: Vec<i64> = self.module_call(&command(&words)).await?;
-            let usage = QuotaUsage::from_reply(&reply).map_err(Error::Server)?;
+            let usage = QuotaUsage::from_reply(&reply).map_err(|why| Error::Server(why.into()))?;
             lock(&self.shared.local).quotas.saw(
                 key,
                 Some(as_count(usage.calls)),

@@ -191,6 +191,14 @@ pub struct RateLimit<S, C> {
     config: Arc<Config>,
 }
 
+impl<S, C> std::fmt::Debug for RateLimit<S, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("limiter", &self.limiter)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What the layer decided, for the handler (a request extension).
 #[derive(Clone, Debug)]
 pub struct Admitted {
@@ -539,6 +547,18 @@ where
 pub enum LimitedBody<B> {
     Answer(B, Option<Box<dyn Send + Sync>>),
     Refusal(Option<Bytes>),
+}
+
+impl<B> std::fmt::Debug for LimitedBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LimitedBody::Answer(_, at_end) => f
+                .debug_struct("Answer")
+                .field("holding", &at_end.is_some())
+                .finish_non_exhaustive(),
+            LimitedBody::Refusal(bytes) => f.debug_tuple("Refusal").field(bytes).finish(),
+        }
+    }
 }
 
 impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {

@@ -60,7 +60,7 @@ where
         check(|words| window::parse_admit(words), &words)?;
         let remote = async {
             let reply: Vec<i64> = self.module_call(&command(&words)).await?;
-            Admission::from_reply(&reply).map_err(Error::Server)
+            Admission::from_reply(&reply).map_err(|why| Error::Server(why.into()))
         };
         self.run(remote, |instead| {
             Some(match instead {
