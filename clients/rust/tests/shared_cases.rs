@@ -1,6 +1,7 @@
 //! The cases both clients must agree on (clients/shared_cases.json): bucket names,
 //! header fields, and local bucket arithmetic, the last checked against qag-core.
 
+use qag_client::answers::Refusal;
 use qag_client::decision::{AnsweredBy, Decision, LeaseRefusal, QuotaDecision, QuotaUsage};
 use qag_client::local::LocalBuckets;
 use qag_client::{bucket_key, Headers, RetryAfter};
@@ -161,5 +162,52 @@ fn local_bucket_arithmetic() {
                 case["name"]
             );
         }
+    }
+}
+
+#[test]
+fn refusal_answers() {
+    let cases = cases();
+    for case in cases["answers"].as_array().unwrap() {
+        let refusal = &case["refusal"];
+        let seconds = || refusal["retry_after"].as_i64().unwrap();
+        let refusal = match refusal["kind"].as_str().unwrap() {
+            "client" => Refusal::Client {
+                retry_after: RetryAfter::from_reply(seconds()).unwrap(),
+            },
+            "key" => Refusal::Key {
+                retry_after: RetryAfter::from_reply(seconds()).unwrap(),
+            },
+            "quota" => Refusal::Quota {
+                exceeded: if refusal["exceeded"] == "calls" {
+                    "calls"
+                } else {
+                    "rows"
+                },
+                resets_at: refusal["resets_at"].as_i64().unwrap(),
+                retry_after: seconds() as u64,
+            },
+            "concurrency" => Refusal::Concurrency,
+            "unavailable" => Refusal::Unavailable {
+                retry_after: seconds() as u64,
+            },
+            other => panic!("kind {other}"),
+        };
+        let name = &case["name"];
+        assert_eq!(
+            refusal.status(),
+            case["status"].as_u64().unwrap() as u16,
+            "{name}"
+        );
+        assert_eq!(
+            refusal.retry_after().map(|s| s.to_string()).as_deref(),
+            case["retry_after"].as_str(),
+            "{name}"
+        );
+        let body = refusal.body(case["request_id"].as_str().unwrap());
+        assert_eq!(body, case["body"].as_str().unwrap(), "{name}");
+        // The body is JSON, with the request id as given.
+        let parsed: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(parsed["request_id"], case["request_id"], "{name}");
     }
 }
