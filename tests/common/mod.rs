@@ -441,6 +441,13 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
     let bucket = format!("qag:rl:{{t}}:{}", round % 4);
     let lifetime_ms = lifetime * 1000;
     let calls: Vec<redis::Cmd> = vec![
+        // Before the takes, so a bucket ends each of its rounds spent.
+        cmd("QAG.REFUND")
+            .arg(&bucket)
+            .arg(3)
+            .arg(lifetime)
+            .arg(1 + round % 2)
+            .clone(),
         cmd("QAG.TAKE").arg(&bucket).arg(3).arg(lifetime).clone(),
         cmd("QAG.TAKE")
             .arg(&bucket)
@@ -456,12 +463,6 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .arg(&bucket)
             .arg(3)
             .arg(lifetime)
-            .clone(),
-        cmd("QAG.REFUND")
-            .arg(&bucket)
-            .arg(3)
-            .arg(lifetime)
-            .arg(1 + round % 2)
             .clone(),
         cmd("QAG.LEASE")
             .arg("qag:running:{t}")
