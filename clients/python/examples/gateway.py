@@ -1,42 +1,75 @@
-"""A control plane's use of qag_client: both buckets of a request, the headers to
-send, a slot held for a query's length, a quota checked before and added after.
-Run: python examples/gateway.py redis://127.0.0.1:6379/"""
+"""A gateway's use of qag_client: both buckets of a request, a window of model
+tokens, a quota checked before and added after, a slot held for the query's length,
+and the header fields to send. Run: python examples/gateway.py redis://127.0.0.1:6379/"""
 
 import sys
+from typing import List, Tuple
 
 import redis
 
-from qag_client import Limiter, QagRefused, QagUnavailable, bucket_key, headers
+from qag_client import Limiter, QagBusy, QagRefused, bucket_key, headers
 
-url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379/"
-client = redis.Redis.from_url(url)
-# While Redis fails, count in this process for 5 s at a time instead of raising.
-limiter = Limiter(client, on_unavailable="local")
+Fields = List[Tuple[str, str]]
 
 
-def handle(api_key: str, client_ip: str, request_id: str) -> int:
-    # One hash tag per API key keeps both buckets in one cluster slot.
-    per_ip = bucket_key("ip", 10, 1, client_ip, api_key)
-    per_key = bucket_key("key", 60, 60, api_key, api_key)
-    pair = limiter.take_pair(per_ip, 10, 1, per_key, 60, 60)
-    quota_key = f"qag:quota:{api_key}"
+def bucket_names(address: str, workspace: str, name: str) -> Tuple[str, str]:
+    # The address's own bucket, across every key it uses, and the key's: no hash tag
+    # in common (in a cluster they are two calls, see the README).
+    return (
+        bucket_key("client", 20, 1, address),  # qag:ratelimit:client:20/1:203.0.113.9
+        bucket_key("key", 100, 60, f"{workspace}~{name}"),  # ...:key:100/60:acme~partner
+    )
+
+
+def handle(
+    limiter: Limiter, address: str, workspace: str, name: str, request_id: str
+) -> Tuple[int, Fields]:
+    per_client, per_key = bucket_names(address, workspace, name)
+    pair = limiter.take_pair(per_client, 20, 1, per_key, 100, 60)
+    quota_key = f"qag:quota:{workspace}~{name}"
     quota = limiter.quota_check(quota_key, "month", "Europe/Berlin", calls=100_000)
-    fields = headers(client=pair.client, key=pair.key, quota=quota)
-    print(fields)
-    if not pair.allowed or not quota.allowed:
-        return 429
+    if not (pair.allowed and quota.allowed):
+        return 429, headers(pair.client, pair.key, quota)
+    # Requests and model tokens a minute, for the workspace and the key at once (one
+    # hash tag: one cluster slot).
+    scopes = [
+        (f"qag:win:{{{workspace}}}:org", 1000, 0),
+        (f"qag:win:{{{workspace}}}:{name}", 60, 100_000),
+    ]
+    admission = limiter.admit(scopes)
+    if not admission.admitted:
+        return 429, [("retry-after", str(admission.retry_after))]
     try:
-        with limiter.lease(f"qag:running:{api_key}", 4, 30_000, request_id) as lease:
-            rows = 250  # the query runs here; the lease is renewed meanwhile
+        with limiter.lease(f"qag:running:{workspace}~{name}", 4, 30_000, request_id) as lease:
+            rows, tokens = 250, 1834  # the query runs here; the lease is renewed meanwhile
             if lease.lost:
                 print("the slot ran out during the query")
-    except QagRefused:
-        return 429  # too_many_concurrent, Retry-After: 1
-    limiter.quota_add(quota_key, "month", "Europe/Berlin", calls=1, rows=rows)
-    return 200
+    except QagRefused as refused:  # too_many_concurrent
+        return 429, headers(pair.client, pair.key, quota, refused)
+    limiter.record([key for key, _, _ in scopes], tokens)
+    usage = limiter.quota_add(quota_key, "month", "Europe/Berlin", calls=1, rows=rows)
+    # Rendered from the count after this call: the last call allowed says 0 left.
+    return 200, headers(pair.client, pair.key, quota.after(usage))
 
 
-try:
-    print(handle("acme", "203.0.113.9", "req-1"))
-except QagUnavailable as error:  # quotas and leases have no local rule
-    print(503, error)
+def main(url: str) -> None:
+    # While Redis fails: count in this process (one of 2 gateway processes: half of
+    # every limit) for 5 s at a time, then let one call try Redis again.
+    limiter = Limiter(
+        redis.Redis.from_url(url),
+        on_unavailable="local",
+        back_off=5.0,
+        local_share=0.5,
+        max_connections=50,  # the calls in flight at once in this process
+    )
+    try:
+        status, fields = handle(limiter, "203.0.113.9", "acme", "partner", "req-1")
+    except QagBusy:  # more calls in flight than max_connections, for a whole deadline
+        status, fields = 503, []
+    print(status, fields)
+    print(limiter.counts)
+    limiter.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379/")

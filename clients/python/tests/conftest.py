@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -180,9 +181,53 @@ class Blocking:
 
         return call
 
+    def lease(self, *args: Any) -> "BlockingLease":
+        return BlockingLease(self.loop, self.limiter.lease(*args))
+
+    def idle(self, seconds: float) -> None:
+        """Lets the limiter's tasks (renewals, background releases) run."""
+        self.loop.run_until_complete(asyncio.sleep(seconds))
+
     def close(self) -> None:
         self.loop.run_until_complete(self.limiter.aclose())
         self.loop.close()
+
+
+class BlockingLease:
+    """An AsyncLease used with ``with``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, lease: Any) -> None:
+        self.loop = loop
+        self.lease = lease
+
+    def __enter__(self) -> Any:
+        return self.loop.run_until_complete(self.lease.__aenter__())
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.loop.run_until_complete(self.lease.__aexit__(*exc_info))
+
+
+def idle(limiter: Any, seconds: float) -> None:
+    """Waits, letting an AsyncLimiter's tasks run meanwhile."""
+    if isinstance(limiter, Blocking):
+        limiter.idle(seconds)
+    else:
+        time.sleep(seconds)
+
+
+@pytest.fixture
+def stop() -> Iterator[Callable[[Server], None]]:
+    """SIGSTOP for a server, continued (SIGCONT) when the test ends however it ends."""
+    stopped: List[Server] = []
+
+    def stop_server(server: Server) -> None:
+        os.kill(server.process.pid, signal.SIGSTOP)
+        stopped.append(server)
+
+    yield stop_server
+    for server in stopped:
+        if server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGCONT)
 
 
 @pytest.fixture(params=["sync", "async"])

@@ -40,7 +40,7 @@ def test_module_and_script_answer_as_the_raw_command_and_the_script(
         for decision in (by_module, by_auto, by_script):
             assert reply_of(decision) == raw_module, (n, decision)
             assert (decision.limit, decision.period) == (COUNT, PERIOD)
-        assert (by_module.backend, by_auto.backend, by_script.backend) == (
+        assert (by_module.answered_by, by_auto.answered_by, by_script.answered_by) == (
             "module",
             "module",
             "script",
@@ -51,7 +51,7 @@ def test_module_and_script_answer_as_the_raw_command_and_the_script(
     peeked = module.peek("qag:m", COUNT, PERIOD)
     fallback = script.peek("qag:m", COUNT, PERIOD)
     assert reply_of(peeked) == reply_of(fallback)
-    assert fallback.backend == "script"
+    assert fallback.answered_by == "script"
     assert reply_of(script.peek("qag:absent", COUNT, PERIOD, 6)) == [0, 5, -1]
 
 
@@ -63,7 +63,11 @@ def test_without_the_module_auto_runs_the_script_and_module_is_an_error(
     module = make_limiter(server, backend="module")
     for left in reversed(range(COUNT)):
         decision = auto.take("qag:k", COUNT, PERIOD)
-        assert (decision.allowed, decision.remaining, decision.backend) == (True, left, "script")
+        assert (decision.allowed, decision.remaining, decision.answered_by) == (
+            True,
+            left,
+            "script",
+        )
     assert not auto.take("qag:k", COUNT, PERIOD).allowed
     with pytest.raises(QagModuleRequired):
         module.take("qag:k", COUNT, PERIOD)
@@ -87,7 +91,7 @@ def test_pairs_by_module_and_by_script_agree_and_leave_a_refused_key_alone(
         by_module = module.take_pair("qag:mc", 3, PERIOD, "qag:mk", 5, PERIOD)
         by_script = script.take_pair("qag:sc", 3, PERIOD, "qag:sk", 5, PERIOD)
         assert shape(by_module) == shape(by_script), n
-        assert (by_module.backend, by_script.backend) == ("module", "script")
+        assert (by_module.answered_by, by_script.answered_by) == ("module", "script")
         if n >= 3:
             assert by_module.refused_by == "client" and by_module.key is None
     for key in ("qag:mk", "qag:sk"):
@@ -121,7 +125,7 @@ def test_a_user_with_only_the_module_commands(
     auto = make_limiter(server, login)
     script = make_limiter(server, login, backend="script")
     if with_module:
-        assert auto.take("qag:k", COUNT, PERIOD).backend == "module"
+        assert auto.take("qag:k", COUNT, PERIOD).answered_by == "module"
         assert auto.take_pair("qag:{t}c", 3, 1, "qag:{t}k", 5, 60).allowed
     else:
         # COMMAND is not granted either: the module command is tried, is unknown, and
@@ -141,13 +145,14 @@ def test_auto_follows_a_restart_without_and_with_the_module(
     server = start_server(**persisted)
     port = server.port
     # Believe a missing module for long: only the failed call may make it ask again.
-    auto = make_limiter(server, recheck_missing_module=3600)
+    # No back-off: every call goes to the server it reaches.
+    auto = make_limiter(server, recheck_missing_module=3600, back_off=0)
     seen = []
 
     def take() -> None:
         try:
             decision = auto.take("qag:k", 10, PERIOD)
-            seen.append((decision.backend, decision.remaining))
+            seen.append((decision.answered_by, decision.remaining))
         except QagUnavailable:
             # The first call after a restart may find its connection dropped.
             pass

@@ -37,7 +37,7 @@ def scenario(
         key = bucket_key("key", 60, 60, "partner", tag)
         for n in range(3):
             pair = take_pair(client, 2, 60, key, 60, 60)
-            assert pair.backend == backend
+            assert pair.answered_by == backend
             assert pair.allowed == (n < 2), (client, n)
         node = owner(nodes, key)
         used.add(node.port)
@@ -47,7 +47,7 @@ def scenario(
             raw.script_flush()
             assert raw.script_exists(sha) == [False]
             # Flushed on the owner: the next call loads it there again.
-            assert take(client, 2, 60).backend == "script"
+            assert take(client, 2, 60).answered_by == "script"
             assert raw.script_exists(sha) == [True]
     assert len(used) == 3, "the tags spread over every node"
 

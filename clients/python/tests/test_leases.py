@@ -1,17 +1,27 @@
 """The lease guard, blocking and asyncio: held through 3 x ttl of work, released on
-leaving the block (with or without an exception), refused when the slots are held,
-and a lease removed behind its back reported as lost."""
+leaving the block (with or without an exception), refused when the slots are held, a
+lease removed behind its back reported as lost; no slot stranded by an acquire that
+timed out or was cancelled, no error raised by a release on the way out, and renewals
+that fail reported as a lost lease within its TTL."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
-from conftest import Server
-from qag_client import AsyncLimiter, Limiter, QagRefused
+from conftest import Server, idle
+from qag_client import (
+    AsyncLimiter,
+    Limiter,
+    QagModuleRequired,
+    QagPermissionError,
+    QagRefused,
+    QagUnavailable,
+)
 
 TTL_MS = 600
 
@@ -75,3 +85,118 @@ def test_the_async_lease_guard(start_server: Callable[..., Server]) -> None:
         await limiter.aclose()
 
     asyncio.run(scenario())
+
+
+def debug_sleep(server: Server, seconds: float) -> threading.Thread:
+    """The server stalls for ``seconds`` (DEBUG SLEEP from another connection)."""
+    sleeper = threading.Thread(
+        target=server.client().execute_command, args=("DEBUG", "SLEEP", seconds)
+    )
+    sleeper.start()
+    time.sleep(0.05)  # it runs
+    return sleeper
+
+
+def leases_back_to_zero(server: Server, limiter: Any, key: str) -> float:
+    """Seconds until QAG.LEASES of ``key`` is 0 (at most 3)."""
+    raw, started = server.client(), time.monotonic()
+    while raw.execute_command("QAG.LEASES", key) != 0:
+        assert time.monotonic() - started < 3, "the slot stayed held"
+        idle(limiter, 0.02)
+    return time.monotonic() - started
+
+
+def test_an_acquire_stalled_past_its_deadline_leaves_no_slot_held(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    server = start_server(extra=["--enable-debug-command", "yes"])
+    limiter = make_limiter(server, deadline=0.5)
+    assert limiter.leases("qag:run") == 0  # the module is known: the next request is LEASE
+    sleeper = debug_sleep(server, 1)
+    with pytest.raises(QagUnavailable, match="deadline"):
+        with limiter.lease("qag:run", 2, 60_000, "q1"):
+            pass
+    while sleeper.is_alive():  # the server answers again
+        idle(limiter, 0.01)
+    assert leases_back_to_zero(server, limiter, "qag:run") < 1.0
+    assert server.client().execute_command("QAG.RELEASE", "qag:run", "q1") == 0
+
+
+def test_an_acquire_cancelled_mid_call_leaves_no_slot_held(
+    start_server: Callable[..., Server],
+) -> None:
+    server = start_server(extra=["--enable-debug-command", "yes"])
+
+    async def scenario() -> float:
+        limiter = AsyncLimiter(server.async_client(), deadline=5.0)
+        assert await limiter.leases("qag:run") == 0
+
+        async def request() -> None:
+            async with limiter.lease("qag:run", 2, 60_000, "q1"):
+                await asyncio.sleep(10)
+
+        sleeper = debug_sleep(server, 1)
+        call = asyncio.ensure_future(request())
+        await asyncio.sleep(0.1)  # the LEASE was sent; the server has not run it
+        call.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        while sleeper.is_alive():
+            await asyncio.sleep(0.01)
+        raw, answered = server.client(), time.monotonic()
+        while raw.execute_command("QAG.LEASES", "qag:run") != 0:
+            assert time.monotonic() - answered < 3, "the slot stayed held"
+            await asyncio.sleep(0.02)
+        await limiter.aclose()
+        return time.monotonic() - answered
+
+    assert asyncio.run(scenario()) < 1.0
+
+
+def test_a_release_timing_out_on_the_way_out_raises_nothing(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = start_server(extra=["--enable-debug-command", "yes"])
+    limiter = make_limiter(server, deadline=0.3)
+    with limiter.lease("qag:run", 2, 60_000, "q1") as lease:
+        sleeper = debug_sleep(server, 1)  # the query ran; Redis stalls as it ends
+    assert lease.answered_by == "module"
+    assert limiter.counts.errors == 1
+    assert any(
+        record.name == "qag_client" and record.levelname == "WARNING" and "q1" in record.message
+        for record in caplog.records
+    )
+    sleeper.join()
+
+
+@pytest.mark.parametrize("failure", ["module unloaded", "NOPERM"])
+def test_renewals_that_fail_lose_the_lease_within_its_ttl(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any], failure: str
+) -> None:
+    server = start_server(extra=["--enable-module-command", "yes"])
+    admin = server.client()
+    info = admin.info("server")
+    if failure == "module unloaded" and "valkey_version" not in info:
+        if int(str(info["redis_version"]).split(".")[0]) >= 8:
+            pytest.skip(
+                "Redis 8.2.3 crashes (SIGSEGV in invalidFunctionWasCalled) when a connection "
+                "sends a command of a module unloaded after it last sent that command"
+            )
+    admin.execute_command("ACL", "SETUSER", "gateway", "on", ">secret", "~qag:*", "+@all")
+    limiter = make_limiter(server, {"username": "gateway", "password": "secret"}, deadline=0.2)
+    with limiter.lease("qag:run", 1, TTL_MS, "q1") as lease:
+        idle(limiter, TTL_MS / 1000)  # renewed meanwhile
+        assert not lease.lost
+        if failure == "NOPERM":
+            admin.execute_command("ACL", "SETUSER", "gateway", "-qag.renew")
+        else:
+            admin.execute_command("MODULE", "UNLOAD", "qag")
+        failed = time.monotonic()
+        while not lease.lost:
+            assert time.monotonic() - failed < TTL_MS / 1000, "not lost within a TTL"
+            idle(limiter, 0.01)
+        expected = QagPermissionError if failure == "NOPERM" else QagModuleRequired
+        assert isinstance(lease.last_error, expected), lease.last_error
+    assert limiter.counts.errors >= 2  # the renewals

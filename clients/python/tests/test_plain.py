@@ -1,50 +1,21 @@
-"""The plain code, without Redis: the shared cases both clients must agree on, the
-packaged script, and arguments refused before anything is sent."""
+"""The plain code, without Redis: the packaged script, arguments refused before
+anything is sent, the outage policy's back-off and probe, and local counting of every
+family (the cases shared with the Rust client are in test_shared_cases.py)."""
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 
 import pytest
 
 from conftest import REPOSITORY
-from qag_client import Decision, Limiter, QuotaDecision, bucket_key, headers
+from qag_client import Limiter
 from qag_client.local import LocalBuckets
-
-CASES = json.loads((REPOSITORY / "clients/shared_cases.json").read_text())
 
 
 def test_the_packaged_script_is_the_repositorys_byte_for_byte() -> None:
     packaged = resources.files("qag_client").joinpath("token_bucket.lua").read_bytes()
     assert packaged == (REPOSITORY / "lua/token_bucket.lua").read_bytes()
-
-
-@pytest.mark.parametrize("case", CASES["bucket_keys"], ids=lambda case: case["key"])
-def test_bucket_names(case: dict) -> None:
-    name = bucket_key(
-        case["scope"], case["count"], case["period"], case["client"], case["hash_tag"]
-    )
-    assert name == case["key"]
-
-
-def _bucket(value: dict | None) -> Decision | None:
-    return None if value is None else Decision(backend="module", **value)
-
-
-@pytest.mark.parametrize("case", CASES["headers"], ids=lambda case: case["name"])
-def test_header_fields(case: dict) -> None:
-    quota = None if case["quota"] is None else QuotaDecision(**case["quota"])
-    fields = headers(_bucket(case["client"]), _bucket(case["key"]), quota, now=case["now"])
-    assert [list(pair) for pair in fields.items()] == case["headers"]
-
-
-@pytest.mark.parametrize("case", CASES["local_buckets"], ids=lambda case: case["name"])
-def test_local_bucket_arithmetic(case: dict) -> None:
-    local = LocalBuckets()
-    for step in case["steps"]:
-        reply = local.take("k", case["count"], case["period"], step["cost"], step["now"])
-        assert reply == step["reply"], step
 
 
 def test_local_buckets_forget_full_ones_when_many() -> None:
@@ -98,3 +69,115 @@ def test_unknown_options_are_refused() -> None:
         Limiter(redis.Redis(port=1), backend="lua")
     with pytest.raises(ValueError, match="on_unavailable must be one of"):
         Limiter(redis.Redis(port=1), on_unavailable="open")
+
+
+def test_bad_options_are_refused() -> None:
+    import redis
+
+    for options, message in [
+        ({"local_share": 0}, "local_share must be above 0 and at most 1"),
+        ({"local_share": 1.5}, "local_share must be above 0"),
+        ({"back_off": -1}, "back_off must be a number of seconds, at least 0"),
+        ({"max_connections": 0}, "max_connections must be an integer of at least 1"),
+        ({"deadline": 0}, "deadline must be above 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Limiter(redis.Redis(port=1), **options)
+
+
+def test_one_probe_after_a_back_off_and_only_the_probe_ends_it() -> None:
+    from qag_client._policy import Outage, Route
+
+    outage = Outage(5.0)
+    assert outage.route(0.0) is Route.REDIS
+    old = outage.generation  # a call sent before the outage
+    outage.failed(False, 1.0, "refused")
+    assert outage.backing_off(1.0) and outage.route(5.9) is Route.POLICY
+    assert not outage.answered(False, old), "a call sent before it does not end it"
+    assert outage.route(6.0) is Route.PROBE
+    assert outage.route(6.0) is Route.POLICY, "the others keep to the policy meanwhile"
+    assert outage.backing_off(60.0)
+    outage.failed(True, 7.0, "timeout")  # the probe failed: a new back-off
+    assert outage.route(11.9) is Route.POLICY and outage.route(12.0) is Route.PROBE
+    outage.abandoned(True)  # cancelled: the next call probes
+    assert outage.route(12.0) is Route.PROBE
+    assert outage.answered(True, outage.generation), "the probe answered: local state dropped"
+    assert outage.route(12.0) is Route.REDIS and not outage.backing_off(12.0)
+
+    never = Outage(0.0)
+    generation = never.generation
+    never.failed(False, 1.0, "refused")
+    assert never.route(1.0) is Route.REDIS
+    assert not never.answered(False, generation)
+    assert never.answered(False, never.generation), "the first call sent after it answered"
+    assert not never.answered(False, never.generation)
+
+
+def test_errors_sorted_busy_apart_from_outages() -> None:
+    import redis.exceptions as errors
+
+    from qag_client import QagBusy, QagUnavailable
+    from qag_client._engine import sort_error
+
+    assert isinstance(sort_error(errors.MaxConnectionsError("Too many connections")), QagBusy)
+    assert isinstance(sort_error(errors.ConnectionError("No connection available.")), QagBusy)
+    for error in [
+        errors.ConnectionError("Connection refused"),
+        errors.TimeoutError("Timeout reading from socket"),
+        errors.BusyLoadingError("LOADING Redis is loading the dataset in memory"),
+        errors.ResponseError("MASTERDOWN Link with MASTER is down"),
+        errors.ResponseError("CLUSTERDOWN The cluster is down"),
+        errors.ResponseError("TRYAGAIN Multiple keys request during rehashing of slot"),
+    ]:
+        assert isinstance(sort_error(error), QagUnavailable), error
+
+
+def test_local_leases_quotas_and_windows_count_this_processs_share() -> None:
+    from qag_client import Scope
+    from qag_client.local import LocalState, share_of
+
+    assert (share_of(10, 0.5), share_of(3, 0.25), share_of(1, 0.01), share_of(7, 1.0)) == (
+        5,
+        1,
+        1,
+        7,
+    )
+    state = LocalState()
+    grants = [state.leases.acquire("k", f"q{n}", share_of(4, 0.5)) for n in range(3)]
+    assert [(g.acquired, g.live, g.retry_after) for g in grants] == [
+        (True, 1, 0),
+        (True, 2, 0),
+        (False, 2, 1),
+    ]
+    assert state.leases.acquire("k", "q1", 2).acquired, "a retried id counts once"
+    assert state.leases.release("k", "q0") and not state.leases.release("k", "q0")
+    assert state.leases.live("k") == 1
+
+    now = 1_800_000_000.0
+    state.quotas.saw("qag:q", 90, None, int(now) + 3600)  # 90 of 100 calls used
+    checks = []
+    for _ in range(6):
+        check = state.quotas.check("qag:q", "month", "UTC", 100, None, now, 0.5)
+        checks.append((check.allowed, check.calls_remaining, check.answered_by))
+        if check.allowed:
+            usage = state.quotas.add("qag:q", "month", "UTC", 1, 10, now)
+    assert checks == [(True, 5, "local"), (True, 4, "local"), (True, 3, "local"),
+                      (True, 2, "local"), (True, 1, "local"), (False, 0, "local")]  # fmt: skip
+    assert (usage.calls, usage.rows, usage.answered_by) == (95, 50, "local")
+    seeded = state.quotas.seed("qag:q", "month", "UTC", 120, 0, now)
+    assert (seeded.calls, seeded.rows) == (120, 50)
+    later = state.quotas.check("qag:q", "month", "UTC", 100, None, now + 3600, 1.0)
+    assert later.allowed and later.calls_remaining == 100, "a new period starts at zero"
+    assert later.resets_at == 1_801_440_000  # 2027-02-01 00:00 UTC
+    state.clear()
+    assert state.quotas.check("qag:q", "month", "UTC", 100, None, now + 3600, 1.0).allowed
+
+    scopes = [Scope("org", 10, 0), Scope("key", 4, 100)]
+    admitted = [state.windows.admit(scopes, 60, 1200.5, 0.5).admitted for _ in range(3)]
+    assert admitted == [True, True, False]
+    refused = state.windows.admit(scopes, 60, 1230.0, 0.5)
+    assert (refused.refused_by, refused.retry_after, refused.requests_remaining) == (1, 30, 0)
+    assert state.windows.admit(scopes, 60, 1260.0, 0.5).admitted, "the next window"
+    assert state.windows.record(["org", "key"], 60, 60, 1261.0) == 2
+    full = state.windows.admit(scopes, 60, 1262.0, 0.5)
+    assert not full.admitted and full.tokens_remaining == 0

@@ -1,4 +1,5 @@
-"""Quotas and sliding windows, typed, on both limiters; module only."""
+"""Quotas and sliding windows, typed, on both limiters; module only. Quota and lease
+headers from real replies."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import Server
-from qag_client import QagModuleRequired, QagServerError, Scope
+from qag_client import QagModuleRequired, QagRefused, QagServerError, Scope, headers
 
 
 def test_quota_check_add_seed(
@@ -42,3 +43,42 @@ def test_admit_and_record(
     script_only = make_limiter(server, backend="script")
     with pytest.raises(QagModuleRequired):
         script_only.record(["qag:win:{a}:org"], 1)
+
+
+def test_quota_headers_count_the_call_itself(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    """Check before, add after, render from the add's usage: a quota of 3 calls says 2,
+    1, 0 left, then refuses."""
+    server = start_server()
+    limiter = make_limiter(server)
+    rendered = []
+    for _ in range(4):
+        check = limiter.quota_check("qag:quota:acme~bot", "month", "Europe/Berlin", calls=3)
+        if not check.allowed:
+            rendered.append(dict(headers(quota=check)))
+            break
+        usage = limiter.quota_add("qag:quota:acme~bot", "month", "Europe/Berlin", calls=1)
+        assert usage.answered_by == "module"
+        rendered.append(dict(headers(quota=check.after(usage))))
+    assert [fields["x-quota-remaining-calls"] for fields in rendered] == ["2", "1", "0", "0"]
+    assert ["retry-after" in fields for fields in rendered] == [False, False, False, True]
+    assert all(fields["ratelimit-policy"] == '"calls";q=3' for fields in rendered)
+
+
+def test_a_refused_lease_renders_retry_after_one(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    server = start_server()
+    limiter = make_limiter(server)
+    key = limiter.take("qag:ratelimit:key:60/60:acme~bot", 60, 60)
+    with limiter.lease("qag:running:acme~bot", 1, 10_000, "q1"):
+        with pytest.raises(QagRefused) as refused:
+            with limiter.lease("qag:running:acme~bot", 1, 10_000, "q2"):
+                pass
+    fields = headers(key=key, lease=refused.value, draft=False)
+    assert fields == [
+        ("x-ratelimit-key-limit", "60"),
+        ("x-ratelimit-key-remaining", "59"),
+        ("retry-after", "1"),
+    ]

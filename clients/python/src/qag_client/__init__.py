@@ -3,9 +3,11 @@
 ``Limiter`` / ``AsyncLimiter`` call the module's QAG.* commands where the server has
 them and, for token buckets, the repository's ``lua/token_bucket.lua`` where it does
 not: the same keys, fields and replies as the Rust client (qag-client), so a budget is
-never split or doubled. Decisions, header rendering and local counting are plain code
-(``decisions``, ``headers``, ``local``, ``naming``); the limiters are the thin layers
-that talk to Redis.
+never split or doubled. When Redis fails, one policy for every family ("raise",
+"forward" or "local") with a back-off and one probe after it. Decisions, the policy,
+header rendering and local counting are plain code (``decisions``, ``_engine``,
+``_policy``, ``headers``, ``local``, ``naming``); the limiters are the thin layers that
+talk to Redis.
 """
 
 from ._async import AsyncLease, AsyncLimiter
@@ -13,8 +15,10 @@ from ._script import TOKEN_BUCKET_LUA
 from ._sync import Lease, Limiter
 from .decisions import (
     Admission,
+    Counts,
     Decision,
     PairDecision,
+    QagBusy,
     QagError,
     QagModuleRequired,
     QagPermissionError,
@@ -32,10 +36,12 @@ __all__ = [
     "Admission",
     "AsyncLease",
     "AsyncLimiter",
+    "Counts",
     "Decision",
     "Lease",
     "Limiter",
     "PairDecision",
+    "QagBusy",
     "QagError",
     "QagModuleRequired",
     "QagPermissionError",

@@ -1,10 +1,14 @@
 """The asyncio limiter for ``redis.asyncio.Redis`` and its cluster client: runs the
-engine's flows with awaits, each call bounded by ``asyncio.wait_for``."""
+engine's flows with awaits, each round trip bounded by what is left of the call's
+deadline."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple, Union
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster
@@ -16,23 +20,98 @@ from ._engine import (
     Command,
     Engine,
     Flow,
+    LeaseAttempt,
+    LeaseState,
+    Overtaken,
     RunScript,
     T,
-    local_pair,
-    local_peek,
-    local_take,
+    release_delay,
+    release_gives_up,
     sort_error,
 )
 from ._script import TOKEN_BUCKET_LUA
-from .local import LocalBuckets
+from ._sync import OVERDUE_GRACE, _check_options, _pool_size
+
+log = logging.getLogger("qag_client")
 
 
-def _own_client(client: Any, connected: Callable[[], None]) -> Any:
-    """As the blocking limiter's: for ``redis.asyncio.Redis`` a pool of its own with the
-    client's settings, no retries and a hook told of every new connection; a cluster
-    client as given."""
+class _Gate:
+    """At most ``size`` calls hold a connection of the limiter's pool; the others wait,
+    each until its deadline (a freed place is handed to the longest waiting;
+    ``interrupt`` wakes them all to look again). A wait that ends while a holder is
+    past its own deadline waits a little longer for that holder's verdict (a stalled
+    server, soon an outage)."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._holders: List[float] = []  # their deadlines
+        self._waiters: Deque["asyncio.Future[bool]"] = deque()
+
+    def interrupt(self) -> None:
+        """Wakes every waiter (``acquire`` answers False) to look again."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(False)
+
+    def overdue(self, now: float) -> bool:
+        return bool(self._holders) and min(self._holders) <= now
+
+    async def acquire(self, until: float, deadline: float) -> bool:
+        """A place for a call of ``deadline``, or False at ``until`` (loop time) or when
+        interrupted."""
+        loop = asyncio.get_running_loop()
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            self._holders.append(deadline)
+            return True
+        if until <= loop.time():
+            return False
+        waiter: "asyncio.Future[bool]" = loop.create_future()
+        self._waiters.append(waiter)
+        timer = loop.call_at(until, _expire, waiter)
+        try:
+            if not await waiter:
+                return False
+        except BaseException:
+            # Cancelled after a place was handed over: hand it on.
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self._holders.append(deadline)
+                self.release(deadline)
+            raise
+        finally:
+            timer.cancel()
+            try:
+                self._waiters.remove(waiter)
+            except ValueError:
+                pass
+        self._holders.append(deadline)
+        return True
+
+    def release(self, until: float) -> None:
+        self._holders.remove(until)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(True)
+                return
+        self._free += 1
+
+
+def _expire(waiter: "asyncio.Future[bool]") -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
+def _own_client(
+    client: Any, deadline: float, max_connections: int, connected: Callable[[], None]
+) -> Tuple[Any, Optional[_Gate]]:
+    """As the blocking limiter's: for ``redis.asyncio.Redis`` a blocking pool of its own
+    of ``max_connections`` with the client's settings, the deadline as connect and
+    socket timeouts, no retries and a hook told of every new connection, and the gate
+    to it; a cluster client as given."""
     if isinstance(client, RedisCluster):
-        return client
+        return client, None
     pool = client.connection_pool
     settings = dict(pool.connection_kwargs)
     user_hook = settings.get("redis_connect_func")
@@ -46,19 +125,23 @@ def _own_client(client: Any, connected: Callable[[], None]) -> Any:
             user_hook(connection)
         connected()
 
-    settings.update(retry=Retry(NoBackoff(), 0), redis_connect_func=on_connect)
-    own_pool = type(pool)(
-        connection_class=pool.connection_class,
-        max_connections=pool.max_connections,
-        **settings,
+    settings.update(
+        socket_timeout=deadline,
+        socket_connect_timeout=deadline,
+        retry=Retry(NoBackoff(), 0),
+        redis_connect_func=on_connect,
     )
-    return redis.asyncio.Redis(connection_pool=own_pool)
+    own_pool = redis.asyncio.BlockingConnectionPool(
+        connection_class=pool.connection_class,
+        max_connections=max_connections,
+        **{"timeout": deadline, **settings},
+    )
+    return redis.asyncio.Redis(connection_pool=own_pool), _Gate(max_connections)
 
 
 class AsyncLimiter:
     """``Limiter`` for asyncio: the same options and answers, every method a
-    coroutine, ``deadline`` a hard bound on each call (``asyncio.wait_for``).
-    ``aclose()`` closes the limiter's own connections."""
+    coroutine. ``aclose()`` closes the limiter's own connections."""
 
     def __init__(
         self,
@@ -68,20 +151,41 @@ class AsyncLimiter:
         deadline: float = 0.5,
         on_unavailable: str = "raise",
         back_off: float = 5.0,
+        local_share: float = 1.0,
+        max_connections: Optional[int] = None,
         recheck_missing_module: float = 10.0,
     ) -> None:
-        if not deadline > 0:
-            raise ValueError("deadline must be above 0 seconds")
-        self._engine = Engine(backend, on_unavailable, back_off, recheck_missing_module)
-        self._client = _own_client(client, self._engine.forget_presence)
+        max_connections = _pool_size(client, max_connections)
+        _check_options(deadline, max_connections)
+        self._engine = Engine(
+            backend, on_unavailable, back_off, local_share, recheck_missing_module
+        )
+        self._client, self._gate = _own_client(
+            client, deadline, max_connections, self._engine.forget_presence
+        )
+        if self._gate is not None:
+            self._engine.on_outage = self._gate.interrupt
         self._cluster = isinstance(client, RedisCluster)
         self._deadline = deadline
+        self._max_connections = max_connections
+        self._background: Set["asyncio.Task[None]"] = set()
         self._script = self._client.register_script(TOKEN_BUCKET_LUA)
 
     async def aclose(self) -> None:
+        """Closes the limiter's own connections and stops its background releases."""
+        for task in list(self._background):
+            task.cancel()
         if not self._cluster:
             # A client made on a given pool leaves it open when closed: closed here.
             await self._client.connection_pool.disconnect()
+
+    @property
+    def counts(self) -> d.Counts:
+        return self._engine.counts
+
+    @property
+    def backing_off(self) -> bool:
+        return self._engine.backing_off
 
     @property
     def counting_locally(self) -> bool:
@@ -89,11 +193,10 @@ class AsyncLimiter:
 
     @property
     def local_decisions(self) -> int:
-        return self._engine.local_decisions
+        return self._engine.counts.local
 
     async def take(self, key: str, count: int, period: float, cost: int = 1) -> d.Decision:
-        call = d.BucketCall.of(key, count, period, cost)
-        return await self._bucket(lambda: self._engine.take(call), local_take(call))
+        return await self._run(self._engine.take(d.BucketCall.of(key, count, period, cost)))
 
     async def take_pair(
         self,
@@ -107,13 +210,10 @@ class AsyncLimiter:
     ) -> d.PairDecision:
         client = d.BucketCall.of(client_key, client_count, client_period, cost)
         key = d.BucketCall.of(key_key, key_count, key_period, cost)
-        return await self._bucket(
-            lambda: self._engine.take_pair(client, key), local_pair(client, key)
-        )
+        return await self._run(self._engine.take_pair(client, key))
 
     async def peek(self, key: str, count: int, period: float, cost: int = 1) -> d.Decision:
-        call = d.BucketCall.of(key, count, period, cost)
-        return await self._bucket(lambda: self._engine.peek(call), local_peek(call))
+        return await self._run(self._engine.peek(d.BucketCall.of(key, count, period, cost)))
 
     def lease(self, key: str, max_slots: int, ttl_ms: int, lease_id: str) -> "AsyncLease":
         """``async with limiter.lease(...) as lease:`` holds a slot for the block."""
@@ -123,75 +223,78 @@ class AsyncLimiter:
     async def renew(self, key: str, lease_id: str, ttl_ms: int) -> bool:
         d.check_id(lease_id)
         d.check_ttl(ttl_ms)
-        return bool(await self._module(["QAG.RENEW", key, lease_id, ttl_ms]) == 1)
+        return await self._run(self._engine.renew(key, lease_id, ttl_ms))
 
     async def release(self, key: str, lease_id: str) -> bool:
         d.check_id(lease_id)
-        return bool(await self._module(["QAG.RELEASE", key, lease_id]) == 1)
+        return await self._run(self._engine.release(key, lease_id))
 
     async def leases(self, key: str) -> int:
-        return int(await self._module(["QAG.LEASES", key]))
+        return await self._run(self._engine.leases(key))
 
     async def quota_check(
         self, key: str, per: str, tz: str, calls: Optional[int] = None, rows: Optional[int] = None
     ) -> d.QuotaDecision:
-        reply = await self._module(d.quota_check_words(key, per, tz, calls, rows))
-        return d.quota_decision(reply, calls, rows)
+        return await self._run(self._engine.quota_check(key, per, tz, calls, rows))
 
     async def quota_add(
         self, key: str, per: str, tz: str, calls: int = 0, rows: int = 0
     ) -> d.QuotaUsage:
-        words = d.quota_count_words("QAG.QUOTA.ADD", key, per, tz, calls, rows)
-        return d.quota_usage(await self._module(words))
+        flow = self._engine.quota_count("QAG.QUOTA.ADD", key, per, tz, calls, rows)
+        return await self._run(flow)
 
     async def quota_seed(
         self, key: str, per: str, tz: str, calls: int = 0, rows: int = 0
     ) -> d.QuotaUsage:
-        words = d.quota_count_words("QAG.QUOTA.SEED", key, per, tz, calls, rows)
-        return d.quota_usage(await self._module(words))
+        flow = self._engine.quota_count("QAG.QUOTA.SEED", key, per, tz, calls, rows)
+        return await self._run(flow)
 
     async def admit(
         self, scopes: Sequence[Union[d.Scope, Tuple[str, int, int]]], window: Optional[int] = None
     ) -> d.Admission:
-        return d.admission(await self._module(d.admit_words(scopes, window)))
+        return await self._run(self._engine.admit(scopes, window))
 
     async def record(self, keys: Sequence[str], tokens: int, window: Optional[int] = None) -> int:
-        return int(await self._module(d.record_words(keys, tokens, window)))
+        return await self._run(self._engine.record(keys, tokens, window))
 
-    async def _module(self, words: List[Any]) -> Any:
-        return await self._run(self._engine.module_only(words))
-
-    async def _bucket(
-        self, flow: Callable[[], Flow[T]], locally: Callable[[LocalBuckets, float], T]
-    ) -> T:
-        answer = self._engine.local_answer(locally)
-        if answer is not None:
-            return answer
-        try:
-            result = await self._run(flow())
-        except d.QagUnavailable as error:
-            return self._engine.after_failure(error, locally)
-        self._engine.after_answer()
-        return result
-
-    async def _run(self, flow: Flow[T]) -> T:
-        try:
-            return await asyncio.wait_for(self._drive(flow), self._deadline)
-        except asyncio.TimeoutError:
-            self._engine.forget_presence()
-            raise d.QagUnavailable(f"no answer within the deadline of {self._deadline} s") from None
-        except d.QagUnavailable:
-            self._engine.forget_presence()
-            raise
-
-    async def _drive(self, flow: Flow[T]) -> T:
+    async def _run(self, flow: Flow[T], routed: bool = True) -> T:
+        """Runs a flow within the deadline: waiting for a connection (QagBusy after it),
+        connecting, and every round trip (QagUnavailable after it) included. A routed
+        call still waiting for a connection when a back-off starts keeps to the policy
+        (background work is not routed: it waits on)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._deadline
+        gated = False
         try:
             request = next(flow)
+            if self._gate is not None:
+                engine, generation = self._engine, self._engine.generation if routed else -1
+                gate, grace = self._gate, deadline + OVERDUE_GRACE
+                while not (gated or engine.overtaken(generation)):
+                    now = loop.time()
+                    if now < deadline:
+                        gated = await gate.acquire(deadline, deadline)
+                    elif now < grace and gate.overdue(now):
+                        gated = await gate.acquire(grace, deadline)
+                    else:
+                        break
+                if gated and engine.overtaken(generation):
+                    gate.release(deadline)
+                    gated = False
+                if not gated:
+                    flow.throw(Overtaken() if engine.overtaken(generation) else self._busy())
+                    raise AssertionError("a flow went on without a connection")
             while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    request = flow.throw(self._late())
+                    continue
                 try:
-                    reply = await self._execute(request)
+                    reply = await asyncio.wait_for(self._execute(request), left)
                 except asyncio.CancelledError:
                     raise
+                except asyncio.TimeoutError:
+                    request = flow.throw(self._late())
                 except Exception as error:  # every error is sorted, then thrown in
                     request = flow.throw(sort_error(error))
                 else:
@@ -199,6 +302,20 @@ class AsyncLimiter:
         except StopIteration as stop:
             answer: T = stop.value
             return answer
+        finally:
+            if gated:
+                assert self._gate is not None
+                self._gate.release(deadline)
+            flow.close()  # a cancelled call frees its probe slot
+
+    def _late(self) -> d.QagUnavailable:
+        return d.QagUnavailable(f"no answer within the deadline of {self._deadline} s")
+
+    def _busy(self) -> d.QagBusy:
+        return d.QagBusy(
+            f"no free connection in the limiter's pool of {self._max_connections} "
+            f"within the deadline of {self._deadline} s"
+        )
 
     async def _execute(self, request: Any) -> Any:
         if isinstance(request, RunScript):
@@ -214,9 +331,37 @@ class AsyncLimiter:
             return await node.execute_command(name.encode(), *rest)
         return await self._client.execute_command(name.encode(), *rest)
 
+    def _release_later(self, key: str, lease_id: str, started: float, ttl_ms: int) -> None:
+        """An acquire may have taken the slot and did not return it: released by a task,
+        retried until it answers 1 or the lease's TTL has passed."""
+        task = asyncio.ensure_future(self._release_until_done(key, lease_id, started, ttl_ms))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_until_done(
+        self, key: str, lease_id: str, started: float, ttl_ms: int
+    ) -> None:
+        attempt = 0
+        while True:
+            try:
+                if await self._run(self._engine.background_release(key, lease_id), False):
+                    return
+            except (d.QagUnavailable, d.QagBusy):
+                self._engine.background_failed()
+            except d.QagError as error:  # no point in trying again
+                self._engine.background_failed()
+                log.warning("qag: the lease %s of %s was not released: %s", lease_id, key, error)
+                return
+            if release_gives_up(started, ttl_ms, time.monotonic()):
+                return
+            await asyncio.sleep(release_delay(attempt))
+            attempt += 1
+
 
 class AsyncLease:
-    """``Lease`` for asyncio: renewed by a task while the ``async with`` block runs."""
+    """``Lease`` for asyncio: renewed by a task while the ``async with`` block runs. An
+    acquire cancelled after its QAG.LEASE was sent, and a release cancelled on the way
+    out, are released by a task of the limiter (bounded by the lease's TTL)."""
 
     def __init__(
         self, limiter: AsyncLimiter, key: str, max_slots: int, ttl_ms: int, lease_id: str
@@ -225,45 +370,101 @@ class AsyncLease:
         self.id = lease_id
         self._limiter = limiter
         self._max = max_slots
-        self._ttl_ms = ttl_ms
-        self._lost = False
+        self._state = LeaseState(key, lease_id, ttl_ms, time.monotonic())
         self._task: Optional["asyncio.Task[None]"] = None
 
     @property
     def lost(self) -> bool:
-        return self._lost
+        return self._state.lost
+
+    @property
+    def last_error(self) -> Optional[d.QagError]:
+        return self._state.last_error
+
+    @property
+    def answered_by(self) -> str:
+        return self._state.answered_by
 
     async def __aenter__(self) -> "AsyncLease":
-        reply = await self._limiter._module(
-            ["QAG.LEASE", self.key, self._max, self._ttl_ms, self.id]
-        )
-        acquired, live, retry_after = d.lease_reply(reply)
-        if not acquired:
-            raise d.QagRefused(live, retry_after)
-        self._task = asyncio.ensure_future(self._renew())
+        limiter, state = self._limiter, self._state
+        state.confirmed_at = started = time.monotonic()
+        attempt = LeaseAttempt()
+        flow = limiter._engine.lease(self.key, self._max, state.ttl_ms, self.id, attempt)
+        try:
+            grant = await limiter._run(flow)
+        except BaseException as error:
+            # An outage, or cancelled: the LEASE may have run (an error reply: it did not).
+            if attempt.sent and (
+                isinstance(error, d.QagUnavailable) or not isinstance(error, d.QagError)
+            ):
+                limiter._release_later(self.key, self.id, started, state.ttl_ms)
+            raise
+        if attempt.sent and grant.answered_by != "module":
+            # The LEASE met an outage and the policy answered: it may have run.
+            limiter._release_later(self.key, self.id, started, state.ttl_ms)
+        if not grant.acquired:
+            raise d.QagRefused(grant.live, grant.retry_after, grant.answered_by)
+        state.answered_by = grant.answered_by
+        if state.in_redis:
+            self._task = asyncio.ensure_future(self._renew())
         return self
 
+    async def release(self) -> bool:
+        """Releases the slot now (leaving the block then does nothing): True if a live
+        lease was released. Raises what the release met."""
+        self._stop_renewals()
+        self._state.done = True
+        flow = self._limiter._engine.guard_release(self._state, False)
+        return await self._limiter._run(flow) is True
+
     async def __aexit__(self, *exc_info: Any) -> None:
+        self._stop_renewals()
+        state, limiter = self._state, self._limiter
+        if state.done:
+            return
+        state.done = True
+        try:
+            await limiter._run(limiter._engine.guard_release(state, True))
+        except asyncio.CancelledError:
+            if state.in_redis:  # cancelled on the way out: released in the background
+                limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise
+        except Exception as error:
+            if not isinstance(error, d.QagError):
+                limiter._engine.background_failed()
+            log.warning(
+                "qag: the lease %s of %s was not released (its TTL frees it): %s",
+                self.id,
+                self.key,
+                error,
+            )
+
+    def _stop_renewals(self) -> None:
+        # A renewal in flight may still land; after the release it finds nothing.
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        if not self._lost:
-            try:
-                await self._limiter.release(self.key, self.id)
-            except d.QagError:
-                if exc_info[0] is None:
-                    raise
 
     async def _renew(self) -> None:
-        while True:
-            await asyncio.sleep(self._ttl_ms / 3000)
+        state, limiter = self._state, self._limiter
+        while not state.lost:
+            await asyncio.sleep(state.interval)
+            sent_at = time.monotonic()
             try:
-                held = await self._limiter.renew(self.key, self.id, self._ttl_ms)
-            except d.QagError:
-                continue  # Redis failed this time: two more renewals fit in the TTL.
-            if not held:
-                self._lost = True
-                return
+                held = await limiter._run(
+                    limiter._engine.renewal(self.key, self.id, state.ttl_ms), False
+                )
+            except d.QagError as error:
+                limiter._engine.background_failed()
+                state.renewal_failed(error, time.monotonic())
+            else:
+                state.renewed(held, sent_at)
+            if state.lost:
+                log.warning(
+                    "qag: the lease %s of %s is lost: %s",
+                    self.id,
+                    self.key,
+                    state.last_error or "it was gone",
+                )
+
+
+__all__: List[str] = ["AsyncLease", "AsyncLimiter"]

@@ -1,5 +1,6 @@
 """What both limiters decide, free of I/O: which path a call takes (module or script),
-what to do with each reply or error, and the back-off of the "local" policy.
+what to do with each reply or error, and what answers when Redis fails (the policy,
+through ``_policy.Outage``: one place for every family).
 
 A call is a generator (a "flow") that yields requests (a command, or the script on a
 key) and receives their replies, or has the error thrown in, already sorted into this
@@ -9,24 +10,45 @@ with awaits; neither decides anything itself. Clocks are arguments.
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, List, Optional, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Generator,
+    Generic,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
+from . import decisions as d
+from ._policy import POLICIES, Outage, Route, Tally
 from .decisions import (
+    Admission,
     BucketCall,
     Decision,
+    LeaseGrant,
     PairDecision,
+    QagBusy,
     QagError,
     QagModuleRequired,
     QagPermissionError,
     QagServerError,
     QagUnavailable,
+    QuotaDecision,
+    QuotaUsage,
+    Scope,
 )
-from .local import LocalBuckets
+from .local import LocalBuckets, LocalState, share_of
 
 BACKENDS = ("auto", "module", "script")
-POLICIES = ("raise", "local")
+DEFAULT_WINDOW = 60
 
 
 class UnknownCommand(QagError):
@@ -52,6 +74,10 @@ T = TypeVar("T")
 # A call: yields requests, receives their replies, returns its answer.
 Flow = Generator[Request, Any, T]
 
+# redis-py's words for a pool with no free connection (ConnectionPool, and
+# BlockingConnectionPool after its timeout): back-pressure, not an outage.
+_POOL_EXHAUSTED = ("Too many connections", "No connection available.")
+
 
 def sort_error(error: BaseException) -> BaseException:
     """A redis-py error as this package's exception (other exceptions stay as they are)."""
@@ -62,6 +88,10 @@ def sort_error(error: BaseException) -> BaseException:
         return error
     if isinstance(error, errors.NoPermissionError) or text.startswith("NOPERM"):
         return QagPermissionError(text)
+    if isinstance(error, errors.MaxConnectionsError) or (
+        isinstance(error, errors.ConnectionError) and text in _POOL_EXHAUSTED
+    ):
+        return QagBusy(text)
     if isinstance(
         error,
         (
@@ -70,7 +100,8 @@ def sort_error(error: BaseException) -> BaseException:
             errors.ClusterDownError,
             errors.MasterDownError,
             errors.TryAgainError,
-            errors.SlotNotCoveredError,
+            errors.RedisClusterException,  # no reachable node, no node for the slot
+            errors.BusyLoadingError,
             TimeoutError,
             OSError,
         ),
@@ -82,8 +113,83 @@ def sort_error(error: BaseException) -> BaseException:
     if "unknown command" in lowered or "command doesn't exist" in lowered:
         return UnknownCommand(text)
     if isinstance(error, errors.RedisError):
+        if text.startswith(("LOADING", "CLUSTERDOWN", "MASTERDOWN", "TRYAGAIN")):
+            return QagUnavailable(text)
         return QagServerError(text)
+    if type(error).__module__.split(".")[0] == "redis":  # none of redis-py's reaches the caller
+        return QagServerError(f"{type(error).__name__}: {text}")
     return error
+
+
+class Overtaken(QagError):
+    """A back-off began while the call waited for a connection: the call keeps to the
+    policy, as every call of the back-off does, without touching Redis."""
+
+
+@dataclass(frozen=True)
+class Fallback(Generic[T]):
+    """A family's answers when Redis is left alone: forwarded (None: raises under
+    "forward" too), and local from the local state, the wall clock and the share."""
+
+    forwarded: Optional[Callable[[], T]]
+    local: Callable[[LocalState, float, float], T]
+
+
+@dataclass
+class LeaseAttempt:
+    """Whether an acquire sent its QAG.LEASE: if it did and did not come back with a
+    lease held in Redis, the id is released in the background."""
+
+    sent: bool = False
+
+
+class LeaseState:
+    """A lease guard's state: how it was answered, when Redis last confirmed it, and
+    whether it is lost (a renewal found it gone, or it could not be confirmed within
+    its TTL). Times are monotonic seconds."""
+
+    def __init__(self, key: str, lease_id: str, ttl_ms: int, started: float) -> None:
+        self.key = key
+        self.id = lease_id
+        self.ttl_ms = ttl_ms
+        self.answered_by = "module"
+        # The lease was taken no earlier than the acquire began.
+        self.confirmed_at = started
+        self.lost = False
+        self.last_error: Optional[QagError] = None
+        self.done = False
+
+    @property
+    def interval(self) -> float:
+        """Renewals run every third of the TTL."""
+        return self.ttl_ms / 3000
+
+    @property
+    def in_redis(self) -> bool:
+        return self.answered_by in ("module", "script")
+
+    def renewed(self, held: bool, sent_at: float) -> None:
+        if held:
+            self.confirmed_at = sent_at
+        else:
+            self.lost = True
+
+    def renewal_failed(self, error: QagError, now: float) -> None:
+        """Lost once the next renewal would come too late to find it live."""
+        self.last_error = error
+        if now - self.confirmed_at + self.interval >= self.ttl_ms / 1000:
+            self.lost = True
+
+
+def release_delay(attempt: int) -> float:
+    """The wait before a background release's next try: 100 ms, doubling, at most 1 s."""
+    return float(min(0.1 * 2**attempt, 1.0))
+
+
+def release_gives_up(started: float, ttl_ms: int, now: float) -> bool:
+    """A background release stops trying once the lease's TTL has passed since the
+    acquire began: the lease has run out by itself."""
+    return now - started >= ttl_ms / 1000
 
 
 @dataclass
@@ -91,55 +197,146 @@ class Engine:
     backend: str = "auto"
     on_unavailable: str = "raise"
     back_off: float = 5.0
+    local_share: float = 1.0
     recheck_missing_module: float = 10.0
     monotonic: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     # "unknown", "present" or "missing".
     presence: str = "unknown"
     missing_since: float = 0.0
-    backing_off_until: Optional[float] = None
-    local: LocalBuckets = field(default_factory=LocalBuckets)
-    local_decisions: int = 0
+    local: LocalState = field(default_factory=LocalState)
+    tally: Tally = field(default_factory=Tally)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}")
         if self.on_unavailable not in POLICIES:
             raise ValueError(f"on_unavailable must be one of {', '.join(POLICIES)}")
-        if not self.back_off > 0 or not self.recheck_missing_module >= 0:
-            raise ValueError("back_off must be above 0 and recheck_missing_module at least 0")
+        if not (isinstance(self.back_off, (int, float)) and 0 <= self.back_off < math.inf):
+            raise ValueError("back_off must be a number of seconds, at least 0")
+        if not (isinstance(self.local_share, (int, float)) and 0 < self.local_share <= 1):
+            raise ValueError("local_share must be above 0 and at most 1")
+        if not self.recheck_missing_module >= 0:
+            raise ValueError("recheck_missing_module must be at least 0")
+        self.outage = Outage(float(self.back_off))
+        # The blocking limiter runs flows on many threads.
+        self._lock = threading.Lock()
+        # Told when an outage starts a back-off (the driver wakes calls waiting for a
+        # connection: they keep to the policy instead).
+        self.on_outage: Callable[[], None] = lambda: None
 
-    # The "local" policy.
+    # What the limiter reports.
+
+    @property
+    def backing_off(self) -> bool:
+        with self._lock:
+            return self.outage.backing_off(self.monotonic())
 
     @property
     def counting_locally(self) -> bool:
-        until = self.backing_off_until
-        return until is not None and self.monotonic() < until
+        return self.on_unavailable == "local" and self.backing_off
 
-    def local_answer(self, locally: Callable[[LocalBuckets, float], T]) -> Optional[T]:
-        """The local decision while a back-off runs, else None."""
-        if self.on_unavailable == "local" and self.counting_locally:
-            return self._decide_locally(locally)
-        return None
+    @property
+    def counts(self) -> d.Counts:
+        with self._lock:
+            return self.tally.snapshot()
 
-    def after_failure(self, error: QagError, locally: Callable[[LocalBuckets, float], T]) -> T:
-        """Redis failed a bucket call: a local decision under "local", else the error."""
-        if isinstance(error, QagUnavailable):
-            self.forget_presence()
+    @property
+    def generation(self) -> int:
+        """Outages so far (a call notes it when routed)."""
+        with self._lock:
+            return self.outage.generation
+
+    def overtaken(self, generation: int) -> bool:
+        """A back-off started after a call noted ``generation`` (-1: a call the
+        back-off does not concern): the call keeps to the policy rather than go on to
+        Redis."""
+        if generation < 0:
+            return False
+        with self._lock:
+            return self.outage.generation != generation and self.outage.backing_off(
+                self.monotonic()
+            )
+
+    def background_failed(self) -> None:
+        """A background release or renewal failed."""
+        with self._lock:
+            self.tally.errors += 1
+
+    # The policy: one place for every family.
+
+    def _routed(self, in_redis: Flow[T], fallback: Fallback[T]) -> Flow[T]:
+        """``in_redis`` unless the policy answers: during a back-off (no request at
+        all) or after the call met an outage."""
+        with self._lock:
+            route = self.outage.route(self.monotonic())
+            generation = self.outage.generation
+        if route is Route.POLICY:
+            return self._by_policy(fallback, None)
+        probe = route is Route.PROBE
+        settled = False
+        try:
+            answer = yield from in_redis
+            settled = True
+        except QagUnavailable as error:
+            settled = True
+            with self._lock:
+                self.presence = "unknown"  # a restart or failover: ask the next server
+                self.outage.failed(probe, self.monotonic(), str(error))
+            self.on_outage()
+            return self._by_policy(fallback, error)
+        except Overtaken:
+            settled = True
+            with self._lock:
+                self.outage.abandoned(probe)
+            return self._by_policy(fallback, None)
+        except QagBusy:
+            settled = True
+            with self._lock:
+                self.outage.abandoned(probe)
+                self.tally.errors += 1
+            raise
+        except QagError:
+            settled = True  # an error reply: Redis answered
+            self._answered(probe, generation)
+            with self._lock:
+                self.tally.errors += 1
+            raise
+        finally:
+            if not settled:  # cancelled, or failed otherwise: free the probe slot
+                with self._lock:
+                    self.outage.abandoned(probe)
+        self._answered(probe, generation)
+        with self._lock:
+            self.tally.count(getattr(answer, "answered_by", "module"))
+        return answer
+
+    def _answered(self, probe: bool, generation: int) -> None:
+        with self._lock:
+            if self.outage.answered(probe, generation):
+                self.local.clear()
+
+    def _by_policy(self, fallback: Fallback[T], error: Optional[QagUnavailable]) -> T:
+        with self._lock:
+            if self.on_unavailable == "forward" and fallback.forwarded is not None:
+                self.tally.forwarded += 1
+                return fallback.forwarded()
             if self.on_unavailable == "local":
-                self.backing_off_until = self.monotonic() + self.back_off
-                return self._decide_locally(locally)
+                self.tally.local += 1
+                return fallback.local(self.local, self.wall(), self.local_share)
+            self.tally.errors += 1
+            if error is None:
+                error = QagUnavailable(self.outage.backing_off_message())
         raise error
 
-    def after_answer(self) -> None:
-        """Redis answered: the next outage starts every local bucket full."""
-        if self.backing_off_until is not None:
-            self.backing_off_until = None
-            self.local.clear()
-
-    def _decide_locally(self, locally: Callable[[LocalBuckets, float], T]) -> T:
-        self.local_decisions += 1
-        return locally(self.local, self.wall())
+    def _unrouted(self, in_redis: Flow[T]) -> Flow[T]:
+        """Background work (renewals, releases after a failed acquire): always to
+        Redis, whatever the back-off; starts and ends none."""
+        try:
+            return (yield from in_redis)
+        except QagUnavailable:
+            self.presence = "unknown"
+            raise
 
     # Which path: module or script.
 
@@ -180,9 +377,32 @@ class Engine:
         if self.backend != "auto":
             raise QagModuleRequired("the qag module is required and the server does not have it")
 
-    # Flows.
+    # Token buckets.
 
     def take(self, call: BucketCall) -> Flow[Decision]:
+        return self._routed(self._take(call), Fallback(call.forwarded, _local_take(call)))
+
+    def take_pair(self, client: BucketCall, key: BucketCall) -> Flow[PairDecision]:
+        def forwarded() -> PairDecision:
+            return PairDecision(client.forwarded(), key.forwarded())
+
+        def local(state: LocalState, now: float, share: float) -> PairDecision:
+            client_decision = _local_take(client)(state, now, share)
+            if not client_decision.allowed:
+                return PairDecision(client_decision, None)
+            return PairDecision(client_decision, _local_take(key)(state, now, share))
+
+        return self._routed(self._take_pair(client, key), Fallback(forwarded, local))
+
+    def peek(self, call: BucketCall) -> Flow[Decision]:
+        def local(state: LocalState, now: float, share: float) -> Decision:
+            count = share_of(call.count, share)
+            reply = state.buckets.peek(call.key, count, call.period, call.cost, now)
+            return call.decision(reply, "local")
+
+        return self._routed(self._peek(call), Fallback(call.forwarded, local))
+
+    def _take(self, call: BucketCall) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
                 reply = yield Command(("QAG.TAKE", call.key, *call.arguments()))
@@ -191,7 +411,7 @@ class Engine:
                 self._module_failed()
         return (yield from self._script(call))
 
-    def take_pair(self, client: BucketCall, key: BucketCall) -> Flow[PairDecision]:
+    def _take_pair(self, client: BucketCall, key: BucketCall) -> Flow[PairDecision]:
         if (yield from self.path()) == "module":
             try:
                 reply = yield Command(
@@ -214,7 +434,7 @@ class Engine:
         key_decision = (yield from self._script(key)) if client_decision.allowed else None
         return PairDecision(client_decision, key_decision)
 
-    def peek(self, call: BucketCall) -> Flow[Decision]:
+    def _peek(self, call: BucketCall) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
                 reply = yield Command(("QAG.PEEK", call.key, *call.arguments()))
@@ -238,11 +458,13 @@ class Engine:
             raise QagServerError(str(error)) from error
         return call.decision(reply, "script")
 
-    def module_only(self, words: List[Any]) -> Flow[Any]:
+    def module_only(self, words: List[Any], attempt: Optional[LeaseAttempt] = None) -> Flow[Any]:
         """A command of a family without a script."""
         if self.backend == "script" or (yield from self.path()) == "script":
             raise QagModuleRequired("the qag module is required and the server does not have it")
         try:
+            if attempt is not None:
+                attempt.sent = True
             return (yield Command(tuple(words)))
         except UnknownCommand:
             self.note_missing()
@@ -250,11 +472,142 @@ class Engine:
                 "the qag module is required and the server does not have it"
             ) from None
 
+    # Leases.
+
+    def lease(
+        self, key: str, max_slots: int, ttl_ms: int, lease_id: str, attempt: LeaseAttempt
+    ) -> Flow[LeaseGrant]:
+        def in_redis() -> Flow[LeaseGrant]:
+            words = ["QAG.LEASE", key, max_slots, ttl_ms, lease_id]
+            return d.lease_grant((yield from self.module_only(words, attempt)))
+
+        def local(state: LocalState, now: float, share: float) -> LeaseGrant:
+            return state.leases.acquire(key, lease_id, share_of(max_slots, share))
+
+        return self._routed(
+            in_redis(), Fallback(lambda: LeaseGrant(True, 0, 0, "forwarded"), local)
+        )
+
+    def renew(self, key: str, lease_id: str, ttl_ms: int) -> Flow[bool]:
+        return self._routed(
+            self._renew(key, lease_id, ttl_ms),
+            Fallback(lambda: True, lambda state, _, __: state.leases.holds(key, lease_id)),
+        )
+
+    def release(self, key: str, lease_id: str) -> Flow[bool]:
+        return self._routed(
+            self._release(key, lease_id),
+            Fallback(lambda: False, lambda state, _, __: state.leases.release(key, lease_id)),
+        )
+
+    def leases(self, key: str) -> Flow[int]:
+        def in_redis() -> Flow[int]:
+            return int((yield from self.module_only(["QAG.LEASES", key])))
+
+        return self._routed(in_redis(), Fallback(None, lambda state, _, __: state.leases.live(key)))
+
+    def guard_release(self, lease: LeaseState, exiting: bool) -> Flow[Optional[bool]]:
+        """A guard's release: a local lease is given back here, a forwarded one has
+        nothing to give back; a lease held in Redis is released there, except when
+        leaving the block during a back-off (then its TTL frees it: None). A forwarded
+        lease counts as held to the end: True."""
+        if lease.answered_by == "forwarded":
+            return True
+        if lease.answered_by == "local":
+            with self._lock:
+                return self.local.leases.release(lease.key, lease.id)
+        if exiting and self.backing_off:
+            return None
+        return (yield from self.release(lease.key, lease.id))
+
+    def renewal(self, key: str, lease_id: str, ttl_ms: int) -> Flow[bool]:
+        """A guard's renewal, in the background."""
+        return self._unrouted(self._renew(key, lease_id, ttl_ms))
+
+    def background_release(self, key: str, lease_id: str) -> Flow[bool]:
+        """A release after an acquire that may have taken the slot and did not return
+        it, in the background."""
+        return self._unrouted(self._release(key, lease_id))
+
+    def _renew(self, key: str, lease_id: str, ttl_ms: int) -> Flow[bool]:
+        return bool((yield from self.module_only(["QAG.RENEW", key, lease_id, ttl_ms])) == 1)
+
+    def _release(self, key: str, lease_id: str) -> Flow[bool]:
+        return bool((yield from self.module_only(["QAG.RELEASE", key, lease_id])) == 1)
+
+    # Quotas.
+
+    def quota_check(
+        self, key: str, per: str, tz: str, calls: Optional[int], rows: Optional[int]
+    ) -> Flow[QuotaDecision]:
+        words = d.quota_check_words(key, per, tz, calls, rows)
+
+        def in_redis() -> Flow[QuotaDecision]:
+            decision = d.quota_decision((yield from self.module_only(words)), calls, rows)
+            with self._lock:
+                self.local.quotas.saw_check(key, decision)
+            return decision
+
+        def forwarded() -> QuotaDecision:
+            return QuotaDecision(True, calls, None, rows, None, 0, "forwarded")
+
+        def local(state: LocalState, now: float, share: float) -> QuotaDecision:
+            return state.quotas.check(key, per, tz, calls, rows, now, share)
+
+        return self._routed(in_redis(), Fallback(forwarded, local))
+
+    def quota_count(
+        self, command: str, key: str, per: str, tz: str, calls: int, rows: int
+    ) -> Flow[QuotaUsage]:
+        """QAG.QUOTA.ADD or QAG.QUOTA.SEED."""
+        words = d.quota_count_words(command, key, per, tz, calls, rows)
+
+        def in_redis() -> Flow[QuotaUsage]:
+            usage = d.quota_usage((yield from self.module_only(words)))
+            with self._lock:
+                self.local.quotas.saw(key, usage.calls, usage.rows, usage.resets_at)
+            return usage
+
+        def local(state: LocalState, now: float, _: float) -> QuotaUsage:
+            if command == "QAG.QUOTA.ADD":
+                return state.quotas.add(key, per, tz, calls, rows, now)
+            return state.quotas.seed(key, per, tz, calls, rows, now)
+
+        return self._routed(in_redis(), Fallback(lambda: QuotaUsage(0, 0, 0, "forwarded"), local))
+
+    # Sliding windows.
+
+    def admit(
+        self, scopes: Sequence[Union[Scope, Tuple[str, int, int]]], window: Optional[int]
+    ) -> Flow[Admission]:
+        words = d.admit_words(scopes, window)
+        chain = [scope if isinstance(scope, Scope) else Scope(*scope) for scope in scopes]
+
+        def in_redis() -> Flow[Admission]:
+            return d.admission((yield from self.module_only(words)))
+
+        def forwarded() -> Admission:
+            return Admission(True, None, 0, None, None, "forwarded")
+
+        def local(state: LocalState, now: float, share: float) -> Admission:
+            return state.windows.admit(chain, window or DEFAULT_WINDOW, now, share)
+
+        return self._routed(in_redis(), Fallback(forwarded, local))
+
+    def record(self, keys: Sequence[str], tokens: int, window: Optional[int]) -> Flow[int]:
+        words = d.record_words(keys, tokens, window)
+
+        def in_redis() -> Flow[int]:
+            return int((yield from self.module_only(words)))
+
+        def local(state: LocalState, now: float, _: float) -> int:
+            return state.windows.record(keys, tokens, window or DEFAULT_WINDOW, now)
+
+        return self._routed(in_redis(), Fallback(lambda: 0, local))
+
 
 def _stored(fields: Any) -> Optional[Tuple[float, float]]:
     """Both fields read as the script reads them (a finite number each), else None."""
-    import math
-
     if not isinstance(fields, list) or len(fields) != 2:
         raise QagServerError(f"an HMGET reply, got {fields!r}")
     values = []
@@ -269,30 +622,13 @@ def _stored(fields: Any) -> Optional[Tuple[float, float]]:
     return values[0], values[1]
 
 
-def local_take(call: BucketCall) -> Callable[[LocalBuckets, float], Decision]:
-    def decide(buckets: LocalBuckets, now: float) -> Decision:
-        return call.decision(
-            buckets.take(call.key, call.count, call.period, call.cost, now), "local"
-        )
+def _local_take(call: BucketCall) -> Callable[[LocalState, float, float], Decision]:
+    """The bucket counted locally: this process's share of the count, refilled over the
+    same period, in the limiter's one set of local buckets."""
 
-    return decide
-
-
-def local_pair(
-    client: BucketCall, key: BucketCall
-) -> Callable[[LocalBuckets, float], PairDecision]:
-    def decide(buckets: LocalBuckets, now: float) -> PairDecision:
-        client_decision = local_take(client)(buckets, now)
-        key_decision = local_take(key)(buckets, now) if client_decision.allowed else None
-        return PairDecision(client_decision, key_decision)
-
-    return decide
-
-
-def local_peek(call: BucketCall) -> Callable[[LocalBuckets, float], Decision]:
-    def decide(buckets: LocalBuckets, now: float) -> Decision:
-        return call.decision(
-            buckets.peek(call.key, call.count, call.period, call.cost, now), "local"
-        )
+    def decide(state: LocalState, now: float, share: float) -> Decision:
+        buckets: LocalBuckets = state.buckets
+        reply = buckets.take(call.key, share_of(call.count, share), call.period, call.cost, now)
+        return call.decision(reply, "local")
 
     return decide

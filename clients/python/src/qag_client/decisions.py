@@ -4,7 +4,7 @@ is sent; and the exceptions. No I/O here."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple, Union
 
 COUNT_MAX = 1 << 53
@@ -26,7 +26,15 @@ class QagError(Exception):
 class QagUnavailable(QagError):
     """Redis could not be reached, dropped the connection, is not serving (loading,
     cluster down), or did not answer within the per-call deadline (whether it ran the
-    command is then unknown)."""
+    command is then unknown); or, under ``on_unavailable="raise"``, a back-off after
+    such a failure is running and Redis was left alone. The only error that starts a
+    back-off."""
+
+
+class QagBusy(QagError):
+    """No connection of the limiter's own pool came free within the deadline: the
+    process has more calls in flight than ``max_connections``. Back-pressure, not an
+    outage: it starts no back-off and is never answered by the policy."""
 
 
 class QagPermissionError(QagError):
@@ -45,27 +53,52 @@ class QagServerError(QagError):
 
 
 class QagRefused(QagError):
-    """A lease was refused: every slot of the key is held."""
+    """A lease was refused: every slot of the key is held (``live`` leases; in this
+    process's count when ``answered_by`` is "local"). ``headers(lease=...)`` renders it
+    as ``retry-after: 1``."""
 
-    def __init__(self, live: int, retry_after: int) -> None:
+    def __init__(self, live: int, retry_after: int, answered_by: str = "module") -> None:
         super().__init__(f"every slot is held ({live} live); retry after {retry_after} s")
         self.live = live
         self.retry_after = retry_after
+        self.answered_by = answered_by
+
+
+ANSWERED_BY = ("module", "script", "local", "forwarded")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How the limiter's calls were answered since it was made, for metrics: by the
+    module, by the script, locally, forwarded; ``errors``: calls that raised, and
+    background releases and renewals that failed."""
+
+    module: int = 0
+    script: int = 0
+    local: int = 0
+    forwarded: int = 0
+    errors: int = 0
 
 
 @dataclass(frozen=True)
 class Decision:
     """One token bucket's answer. ``retry_after`` is 0 when allowed, else whole seconds
-    until the cost fits, or -1 when it never fits (a cost above the count). ``backend``
-    is "module", "script" (without the module) or "local" (a back-off after Redis
-    failed)."""
+    until the cost fits, or -1 when it never fits (a cost above the count).
+    ``answered_by`` is "module", "script" (without the module), "local" (counted in
+    this process after Redis failed) or "forwarded" (not counted: Redis failed and the
+    request goes through; ``remaining`` is then the limit)."""
 
     allowed: bool
     limit: int
     period: float
     remaining: int
     retry_after: int
-    backend: str
+    answered_by: str = "module"
+
+    @property
+    def backend(self) -> str:
+        """The former name of ``answered_by``."""
+        return self.answered_by
 
     def seconds_to_full(self) -> int:
         """Seconds until the bucket is full again, as far as its whole tokens tell."""
@@ -105,14 +138,30 @@ class PairDecision:
         return 0
 
     @property
+    def answered_by(self) -> str:
+        return self.client.answered_by
+
+    @property
     def backend(self) -> str:
-        return self.client.backend
+        """The former name of ``answered_by``."""
+        return self.answered_by
+
+
+@dataclass(frozen=True)
+class QuotaUsage:
+    """The period's counts after QAG.QUOTA.ADD or QAG.QUOTA.SEED (0 when forwarded:
+    nothing was counted)."""
+
+    calls: int
+    rows: int
+    resets_at: int
+    answered_by: str = "module"
 
 
 @dataclass(frozen=True)
 class QuotaDecision:
     """QAG.QUOTA's answer, with the limits it was checked against; ``resets_at`` is the
-    period's end in Unix seconds."""
+    period's end in Unix seconds. Forwarded: allowed, remaining None."""
 
     allowed: bool
     calls_limit: Optional[int]
@@ -120,15 +169,25 @@ class QuotaDecision:
     rows_limit: Optional[int]
     rows_remaining: Optional[int]
     resets_at: int
+    answered_by: str = "module"
 
+    def after(self, usage: QuotaUsage) -> "QuotaDecision":
+        """The check as it stands after the call's counts were added: what remains is
+        the limit less the usage QAG.QUOTA.ADD answered (so the last call a quota allows
+        renders 0 left), ``resets_at`` the usage's, ``allowed`` unchanged. A forwarded
+        usage (nothing counted) changes nothing."""
+        if usage.answered_by == "forwarded":
+            return self
 
-@dataclass(frozen=True)
-class QuotaUsage:
-    """The period's counts after QAG.QUOTA.ADD or QAG.QUOTA.SEED."""
+        def left(limit: Optional[int], used: int) -> Optional[int]:
+            return None if limit is None else max(limit - used, 0)
 
-    calls: int
-    rows: int
-    resets_at: int
+        return replace(
+            self,
+            calls_remaining=left(self.calls_limit, usage.calls),
+            rows_remaining=left(self.rows_limit, usage.rows),
+            resets_at=usage.resets_at,
+        )
 
 
 @dataclass(frozen=True)
@@ -151,6 +210,17 @@ class Admission:
     retry_after: int
     requests_remaining: Optional[int]
     tokens_remaining: Optional[int]
+    answered_by: str = "module"
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """QAG.LEASE's answer (or the policy's): taken or not, the live leases, the wait."""
+
+    acquired: bool
+    live: int
+    retry_after: int
+    answered_by: str = "module"
 
 
 def _integer(name: str, value: object, low: int, high: int) -> int:
@@ -201,12 +271,16 @@ class BucketCall:
         base: Tuple[object, ...] = (self.count, self.period_text)
         return base if self.cost == 1 else base + ("COST", self.cost)
 
-    def decision(self, reply: object, backend: str) -> Decision:
+    def decision(self, reply: object, answered_by: str) -> Decision:
         values = _integers(reply, 3, "a bucket reply")
         allowed, left, retry = values
         if allowed not in (0, 1) or left < 0 or retry < -1:
             raise QagServerError(f"a bucket reply, got {reply!r}")
-        return Decision(bool(allowed), self.count, self.period, left, retry, backend)
+        return Decision(bool(allowed), self.count, self.period, left, retry, answered_by)
+
+    def forwarded(self) -> Decision:
+        """Not counted: the request goes through."""
+        return Decision(True, self.count, self.period, self.count, 0, "forwarded")
 
 
 def check_lease(key: str, max_slots: int, ttl_ms: int, lease_id: str) -> None:
@@ -341,6 +415,6 @@ def admission(reply: object) -> Admission:
     )
 
 
-def lease_reply(reply: object) -> Tuple[bool, int, int]:
+def lease_grant(reply: object) -> LeaseGrant:
     acquired, live, retry = _integers(reply, 3, "a QAG.LEASE reply")
-    return acquired == 1, max(live, 0), max(retry, 0)
+    return LeaseGrant(acquired == 1, max(live, 0), max(retry, 0))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-from .decisions import Decision, QuotaDecision
+from .decisions import Decision, QagRefused, QuotaDecision
 
 
 @dataclass(frozen=True)
@@ -61,27 +61,39 @@ def headers(
     client: Optional[Decision] = None,
     key: Optional[Decision] = None,
     quota: Optional[QuotaDecision] = None,
+    lease: Optional[QagRefused] = None,
+    *,
     now: Optional[int] = None,
-) -> Dict[str, str]:
-    """The header fields for a request's decisions; ``now`` in Unix seconds (default:
-    this machine's clock), for the time left in a quota's period."""
+    draft: bool = True,
+) -> List[Tuple[str, str]]:
+    """The header fields for a request's decisions, as (lowercase name, value) pairs.
+
+    ``quota``: the check, or after the call ``check.after(usage)`` so that the fields
+    count the call itself; ``lease``: a refused lease (``retry-after: 1`` unless another
+    refusal waits longer); ``now`` in Unix seconds (default: this machine's clock), for
+    the time left in a quota's period; ``draft=False`` leaves out ``ratelimit-policy``
+    and ``ratelimit``. Decisions answered "forwarded" counted nothing and render
+    nothing."""
     now = int(time.time()) if now is None else now
-    fields: Dict[str, str] = {}
+    client, key = (None if d is None or d.answered_by == "forwarded" else d for d in (client, key))
+    if quota is not None and quota.answered_by == "forwarded":
+        quota = None
+    fields: List[Tuple[str, str]] = []
     limits: List[_Limit] = []
     if client is not None:
-        fields["X-RateLimit-Limit"] = str(client.limit)
-        fields["X-RateLimit-Remaining"] = str(client.remaining)
+        fields.append(("x-ratelimit-limit", str(client.limit)))
+        fields.append(("x-ratelimit-remaining", str(client.remaining)))
         limits.append(_bucket("client", client))
     if key is not None:
-        fields["X-RateLimit-Key-Limit"] = str(key.limit)
-        fields["X-RateLimit-Key-Remaining"] = str(key.remaining)
+        fields.append(("x-ratelimit-key-limit", str(key.limit)))
+        fields.append(("x-ratelimit-key-remaining", str(key.remaining)))
         limits.append(_bucket("key", key))
     if quota is not None:
         if quota.calls_remaining is not None:
-            fields["X-Quota-Remaining-Calls"] = str(quota.calls_remaining)
+            fields.append(("x-quota-remaining-calls", str(quota.calls_remaining)))
         if quota.rows_remaining is not None:
-            fields["X-Quota-Remaining-Rows"] = str(quota.rows_remaining)
-        fields["X-Quota-Reset"] = str(quota.resets_at)
+            fields.append(("x-quota-remaining-rows", str(quota.rows_remaining)))
+        fields.append(("x-quota-reset", str(quota.resets_at)))
         for name, limit, remaining in (
             ("calls", quota.calls_limit, quota.calls_remaining),
             ("rows", quota.rows_limit, quota.rows_remaining),
@@ -89,15 +101,22 @@ def headers(
             entry = _quota(name, limit, remaining, quota, now)
             if entry is not None:
                 limits.append(entry)
-    if not limits:
-        return fields
-    fields["RateLimit-Policy"] = ", ".join(
-        f'"{limit.name}";q={limit.quota}' + (f";w={limit.window}" if limit.window else "")
-        for limit in limits
-    )
-    tightest = min(limits, key=_Limit.restrictiveness)
-    fields["RateLimit"] = f'"{tightest.name}";r={tightest.remaining};t={tightest.reset}'
-    refusals = [limit for limit in limits if limit.refused]
-    if refusals and all(limit.wait is not None for limit in refusals):
-        fields["Retry-After"] = str(max(max(limit.wait or 1 for limit in refusals), 1))
+    if limits and draft:
+        fields.append(
+            (
+                "ratelimit-policy",
+                ", ".join(
+                    f'"{limit.name}";q={limit.quota}'
+                    + (f";w={limit.window}" if limit.window else "")
+                    for limit in limits
+                ),
+            )
+        )
+        tightest = min(limits, key=_Limit.restrictiveness)
+        fields.append(("ratelimit", f'"{tightest.name}";r={tightest.remaining};t={tightest.reset}'))
+    waits = [limit.wait for limit in limits if limit.refused]
+    if lease is not None:
+        waits.append(1)  # a slot may be released at any time
+    if waits and all(wait is not None for wait in waits):
+        fields.append(("retry-after", str(max(max(wait or 1 for wait in waits), 1))))
     return fields

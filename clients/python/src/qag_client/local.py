@@ -1,15 +1,31 @@
-"""Token buckets in this process's memory, for the back-off after Redis failed
-(``on_unavailable="local"``): each bucket starts full and is counted with the
-script's arithmetic, step for step in doubles (the Rust client uses qag-core's; both
-are tested against ``clients/shared_cases.json``). Plain code: the clock is an argument."""
+"""Counting in this process's memory, for the back-off after Redis failed
+(``on_unavailable="local"``): token buckets (each starting full, counted with the
+script's arithmetic, step for step in doubles; the Rust client uses qag-core's; both
+are tested against ``clients/shared_cases.json``), leases, quotas (from the last
+counts this process saw plus its own adds since) and fixed windows aligned to the
+clock. Every limit is scaled by the process's share of it (``local_share``), so a
+fleet of N processes with a share of 1/N stays near the limit during an outage.
+Plain code: the clock is an argument."""
 
 from __future__ import annotations
 
+import calendar
 import math
-from typing import Dict, List, Optional, Tuple
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-# Buckets tracked before full ones are dropped (a full bucket reads as a missing one).
+from .decisions import Admission, LeaseGrant, QuotaDecision, QuotaUsage, Scope
+
+# Keys tracked per kind before stale ones are dropped (a full bucket reads as a missing
+# one; a window or quota past its period counts nothing).
 PRUNE_ABOVE = 100_000
+
+
+def share_of(limit: int, share: float) -> int:
+    """A process's part of a limit: ``max(1, floor(limit * share))``."""
+    return max(1, min(limit, math.floor(limit * share)))
 
 
 def _lua_max(a: float, b: float) -> float:
@@ -67,3 +83,253 @@ class LocalBuckets:
             for key, entry in self._buckets.items()
             if entry[0][0] + max(now - entry[0][1], 0.0) * entry[1] / entry[2] < entry[1]
         }
+
+
+class LocalLeases:
+    """Live leases per key, held by this process alone (ids, so a retried id counts
+    once)."""
+
+    def __init__(self) -> None:
+        self._held: Dict[str, Set[str]] = {}
+
+    def acquire(self, key: str, lease_id: str, local_max: int) -> LeaseGrant:
+        held = self._held.setdefault(key, set())
+        if lease_id in held or len(held) < local_max:
+            held.add(lease_id)
+            return LeaseGrant(True, len(held), 0, "local")
+        return LeaseGrant(False, len(held), 1, "local")
+
+    def release(self, key: str, lease_id: str) -> bool:
+        held = self._held.get(key)
+        if held is None or lease_id not in held:
+            return False
+        held.discard(lease_id)
+        if not held:
+            del self._held[key]
+        return True
+
+    def holds(self, key: str, lease_id: str) -> bool:
+        return lease_id in self._held.get(key, ())
+
+    def live(self, key: str) -> int:
+        return len(self._held.get(key, ()))
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+def period_end(per: str, tz: str, now: float) -> int:
+    """The end of the day or month that holds ``now`` in zone ``tz``, in Unix seconds
+    (0 where this machine has no such zone): for a quota this process never saw."""
+    try:
+        from zoneinfo import ZoneInfo
+
+        zone = ZoneInfo(tz)
+    except Exception:  # an unknown zone, or no zone database here
+        return 0
+    local = datetime.fromtimestamp(now, zone)
+    if per == "day":
+        start = datetime(local.year, local.month, local.day) + timedelta(days=1)
+    else:
+        days = calendar.monthrange(local.year, local.month)[1]
+        start = datetime(local.year, local.month, 1) + timedelta(days=days)
+    return int(start.replace(tzinfo=zone).timestamp())
+
+
+@dataclass
+class _QuotaCounts:
+    resets_at: int
+    calls: int = 0
+    rows: int = 0
+    added_calls: int = 0
+    added_rows: int = 0
+
+
+class LocalQuotas:
+    """What this process knows of each quota key: the counts Redis last answered for a
+    period (kept from every quota reply, the most recently used keys first, bounded),
+    and what it added locally since."""
+
+    def __init__(self, keep: int = PRUNE_ABOVE) -> None:
+        self._keys: "OrderedDict[str, _QuotaCounts]" = OrderedDict()
+        self._keep = keep
+
+    def saw(self, key: str, calls: Optional[int], rows: Optional[int], resets_at: int) -> None:
+        """Redis answered these counts (None: not told) for the period ending at
+        ``resets_at``."""
+        known = self._keys.get(key)
+        if known is None or known.resets_at != resets_at:
+            known = _QuotaCounts(resets_at)
+        if calls is not None:
+            known.calls = calls
+        if rows is not None:
+            known.rows = rows
+        self._remember(key, known)
+
+    def saw_check(self, key: str, decision: QuotaDecision) -> None:
+        """A check's remaining counts, read back as counts (a limit reached reads as the
+        limit)."""
+
+        def used(limit: Optional[int], remaining: Optional[int]) -> Optional[int]:
+            return None if limit is None or remaining is None else limit - remaining
+
+        self.saw(
+            key,
+            used(decision.calls_limit, decision.calls_remaining),
+            used(decision.rows_limit, decision.rows_remaining),
+            decision.resets_at,
+        )
+
+    def check(
+        self,
+        key: str,
+        per: str,
+        tz: str,
+        calls: Optional[int],
+        rows: Optional[int],
+        now: float,
+        share: float,
+    ) -> QuotaDecision:
+        """Allowed while this process's adds are below its allowance of what was left:
+        ``floor((limit - last count seen) * share)``."""
+        known = self._current(key, per, tz, now)
+        allowed = True
+        remaining: List[Optional[int]] = []
+        for limit, seen, added in (
+            (calls, known.calls, known.added_calls),
+            (rows, known.rows, known.added_rows),
+        ):
+            if limit is None:
+                remaining.append(None)
+                continue
+            allowance = max(math.floor((limit - seen) * share), 0)
+            allowed = allowed and added < allowance
+            remaining.append(max(allowance - added, 0))
+        return QuotaDecision(
+            allowed, calls, remaining[0], rows, remaining[1], known.resets_at, "local"
+        )
+
+    def add(self, key: str, per: str, tz: str, calls: int, rows: int, now: float) -> QuotaUsage:
+        known = self._current(key, per, tz, now)
+        known.added_calls += calls
+        known.added_rows += rows
+        return self._usage(known)
+
+    def seed(self, key: str, per: str, tz: str, calls: int, rows: int, now: float) -> QuotaUsage:
+        """As QAG.QUOTA.SEED: each count becomes the larger of what is known and the seed."""
+        known = self._current(key, per, tz, now)
+        known.calls = max(known.calls, calls - known.added_calls)
+        known.rows = max(known.rows, rows - known.added_rows)
+        return self._usage(known)
+
+    def forget_adds(self) -> None:
+        """Redis answers again: what it says from now on counts, not the local adds."""
+        for known in self._keys.values():
+            known.added_calls = known.added_rows = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _current(self, key: str, per: str, tz: str, now: float) -> _QuotaCounts:
+        known = self._keys.get(key)
+        if known is None or (known.resets_at and now >= known.resets_at):
+            known = _QuotaCounts(period_end(per, tz, now))  # a new period starts at zero
+        self._remember(key, known)
+        return known
+
+    def _remember(self, key: str, known: _QuotaCounts) -> None:
+        self._keys[key] = known
+        self._keys.move_to_end(key)
+        while len(self._keys) > self._keep:
+            self._keys.popitem(last=False)
+
+    @staticmethod
+    def _usage(known: _QuotaCounts) -> QuotaUsage:
+        return QuotaUsage(
+            known.calls + known.added_calls, known.rows + known.added_rows, known.resets_at, "local"
+        )
+
+
+class LocalWindows:
+    """Requests and tokens per scope key in fixed windows of the call's length, aligned
+    to the clock (window n holds [n * window, (n + 1) * window))."""
+
+    def __init__(self) -> None:
+        # key -> (window length, window number, requests, tokens)
+        self._scopes: Dict[str, Tuple[int, int, int, int]] = {}
+
+    def _counts(self, key: str, window: int, now: float) -> Tuple[int, int]:
+        entry = self._scopes.get(key)
+        if entry is None or entry[0] != window or entry[1] != math.floor(now / window):
+            return 0, 0
+        return entry[2], entry[3]
+
+    def _add(self, key: str, window: int, now: float, requests: int, tokens: int) -> None:
+        counted, charged = self._counts(key, window, now)
+        if len(self._scopes) >= PRUNE_ABOVE and key not in self._scopes:
+            self._scopes = {
+                k: entry
+                for k, entry in self._scopes.items()
+                if entry[1] == math.floor(now / entry[0])
+            }
+        self._scopes[key] = (window, math.floor(now / window), counted + requests, charged + tokens)
+
+    def admit(self, scopes: Sequence[Scope], window: int, now: float, share: float) -> Admission:
+        """As QAG.ADMIT on this process's counts, every limit scaled by ``share``."""
+        limits = [
+            (
+                scope.key,
+                share_of(scope.rpm, share) if scope.rpm else 0,
+                share_of(scope.tpm, share) if scope.tpm else 0,
+            )
+            for scope in scopes
+        ]
+        refused_by: Optional[int] = None
+        for index, (key, rpm, tpm) in enumerate(limits):
+            requests, tokens = self._counts(key, window, now)
+            if (rpm and requests + 1 > rpm) or (tpm and tokens >= tpm):
+                refused_by = index
+                break
+        if refused_by is None:
+            for key, _, _ in limits:
+                self._add(key, window, now, 1, 0)
+        requests_left: Optional[int] = None
+        tokens_left: Optional[int] = None
+        for key, rpm, tpm in limits:
+            requests, tokens = self._counts(key, window, now)
+            if rpm:
+                left = max(rpm - requests, 0)
+                requests_left = left if requests_left is None else min(requests_left, left)
+            if tpm:
+                left = max(tpm - tokens, 0)
+                tokens_left = left if tokens_left is None else min(tokens_left, left)
+        retry = 0
+        if refused_by is not None:
+            retry = max(math.ceil((math.floor(now / window) + 1) * window - now), 1)
+        return Admission(refused_by is None, refused_by, retry, requests_left, tokens_left, "local")
+
+    def record(self, keys: Sequence[str], tokens: int, window: int, now: float) -> int:
+        for key in keys:
+            self._add(key, window, now, 0, tokens)
+        return len(keys)
+
+    def clear(self) -> None:
+        self._scopes.clear()
+
+
+class LocalState:
+    """Everything one limiter counts locally. Buckets, leases and windows live through a
+    back-off and are dropped when Redis has answered again; the quota counts seen from
+    Redis are kept (local quota decisions start from them), the local adds dropped."""
+
+    def __init__(self) -> None:
+        self.buckets = LocalBuckets()
+        self.leases = LocalLeases()
+        self.quotas = LocalQuotas()
+        self.windows = LocalWindows()
+
+    def clear(self) -> None:
+        self.buckets.clear()
+        self.leases.clear()
+        self.quotas.forget_adds()
+        self.windows.clear()

@@ -1,0 +1,106 @@
+"""What a limiter does when Redis fails, in one place for every family: which calls go
+to Redis (none during a back-off, one probe after it), and the counts of how calls
+were answered. Plain code: the clock is an argument. (The Rust client's policy.rs
+follows the same rules.)"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from .decisions import Counts
+
+POLICIES = ("raise", "forward", "local")
+
+
+class Route(enum.Enum):
+    """Where a call goes now."""
+
+    REDIS = "redis"
+    # The one call that tries Redis after a back-off.
+    PROBE = "probe"
+    # Not to Redis: answered by the policy (a back-off runs, or the probe is out).
+    POLICY = "policy"
+
+
+class Outage:
+    """The back-off state of one limiter.
+
+    An outage starts a back-off until ``now + back_off`` (a later one extends it);
+    meanwhile every call keeps to the policy. When it has ended, the first call to
+    arrive is the probe; the others keep to the policy until the probe has answered.
+    Only the probe ends a back-off (a call sent before it and answering during it does
+    not). With ``back_off`` 0 there is no back-off: every call goes to Redis.
+    """
+
+    def __init__(self, back_off: float) -> None:
+        self.back_off = back_off
+        self.until: Optional[float] = None
+        self.probing = False
+        self.cause = ""
+        # Outages so far, and how many of them an answer has cleared the local state of.
+        self.generation = 0
+        self._cleared = 0
+
+    def route(self, now: float) -> Route:
+        if self.until is None:
+            return Route.REDIS
+        if now < self.until or self.probing:
+            return Route.POLICY
+        self.probing = True
+        return Route.PROBE
+
+    def answered(self, probe: bool, generation: int) -> bool:
+        """Redis answered (a reply or an error reply) a call routed at ``generation``:
+        true when the local state is to be dropped (the probe answered; without
+        back-off, the first call sent after the last outage answered)."""
+        if probe:
+            self.probing = False
+            self.until = None
+            self.cause = ""
+            self._cleared = self.generation
+            return True
+        if self.until is None and generation == self.generation > self._cleared:
+            self._cleared = generation
+            return True
+        return False
+
+    def failed(self, probe: bool, now: float, cause: str) -> None:
+        """Redis failed a call (an outage): a back-off starts or goes on."""
+        if probe:
+            self.probing = False
+        self.generation += 1
+        if self.back_off > 0:
+            until = now + self.back_off
+            self.until = until if self.until is None else max(self.until, until)
+            self.cause = cause
+
+    def abandoned(self, probe: bool) -> None:
+        """A call ended without Redis's answer or an outage (cancelled, busy): if it was
+        the probe, the next call probes."""
+        if probe:
+            self.probing = False
+
+    def backing_off(self, now: float) -> bool:
+        return self.until is not None and (now < self.until or self.probing)
+
+    def backing_off_message(self) -> str:
+        return f"Redis left alone: backing off after: {self.cause or 'an outage'}"
+
+
+@dataclass
+class Tally:
+    """The counts behind ``Counts``, mutable."""
+
+    module: int = 0
+    script: int = 0
+    local: int = 0
+    forwarded: int = 0
+    errors: int = 0
+
+    def count(self, answered_by: str) -> None:
+        setattr(self, answered_by, getattr(self, answered_by) + 1)
+
+    def snapshot(self) -> Counts:
+        return Counts(self.module, self.script, self.local, self.forwarded, self.errors)

@@ -1,0 +1,56 @@
+"""The cases both clients are tested against (clients/shared_cases.json; the Rust
+client's are clients/rust/tests/shared_cases.rs): bucket names, header fields, and
+local bucket arithmetic."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import pytest
+
+from conftest import REPOSITORY
+from qag_client import Decision, QagRefused, QuotaDecision, QuotaUsage, bucket_key, headers
+from qag_client.local import LocalBuckets
+
+CASES = json.loads((REPOSITORY / "clients/shared_cases.json").read_text())
+
+
+@pytest.mark.parametrize("case", CASES["bucket_keys"], ids=lambda case: case["key"])
+def test_bucket_names(case: dict) -> None:
+    name = bucket_key(
+        case["scope"], case["count"], case["period"], case["client"], case["hash_tag"]
+    )
+    assert name == case["key"]
+
+
+def _bucket(value: Optional[dict]) -> Optional[Decision]:
+    return None if value is None else Decision(**value)
+
+
+@pytest.mark.parametrize("case", CASES["headers"], ids=lambda case: case["name"])
+def test_header_fields(case: dict) -> None:
+    quota = None if case["quota"] is None else QuotaDecision(**case["quota"])
+    if quota is not None and case.get("quota_usage") is not None:
+        quota = quota.after(QuotaUsage(**case["quota_usage"]))
+    lease = case.get("lease")
+    refused = None if lease is None else QagRefused(lease["live"], lease["retry_after"])
+    fields = headers(
+        _bucket(case["client"]),
+        _bucket(case["key"]),
+        quota,
+        refused,
+        now=case["now"],
+        draft=case.get("draft", True),
+    )
+    assert [list(pair) for pair in fields] == case["headers"]
+    for name, _ in fields:
+        assert name == name.lower()
+
+
+@pytest.mark.parametrize("case", CASES["local_buckets"], ids=lambda case: case["name"])
+def test_local_bucket_arithmetic(case: dict) -> None:
+    local = LocalBuckets()
+    for step in case["steps"]:
+        reply = local.take("k", case["count"], case["period"], step["cost"], step["now"])
+        assert reply == step["reply"], step
