@@ -15,7 +15,10 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" >&2
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-"$venv/bin/python" -m pip install --quiet "$redis_spec" "pytest>=7" black mypy >&2
+# fastapi, uvicorn, httpx and flask: for the middleware's tests and the example only
+# (the package itself needs none of them).
+"$venv/bin/python" -m pip install --quiet "$redis_spec" "pytest>=7" black mypy \
+  fastapi uvicorn httpx flask >&2
 # setuptools keeps build/ between builds: a stale copy of a removed file would be packed.
 rm -rf clients/python/build
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps ./clients/python >&2

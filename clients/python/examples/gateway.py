@@ -7,27 +7,31 @@ from typing import List, Tuple
 
 import redis
 
-from qag_client import Limiter, QagBusy, QagRefused, bucket_key, headers
+from qag_client import Bucket, Limiter, QagBusy, QagRefused, Quota, headers
 
 Fields = List[Tuple[str, str]]
 
 
-def bucket_names(address: str, workspace: str, name: str) -> Tuple[str, str]:
+# A quota described once, for its check and its add.
+MONTHLY = Quota("month", "Europe/Berlin", calls=100_000)
+
+
+def buckets(address: str, workspace: str, name: str) -> Tuple[Bucket, Bucket]:
     # The address's own bucket, across every key it uses, and the key's: no hash tag
     # in common (in a cluster they are two calls, see the README).
     return (
-        bucket_key("client", 20, 1, address),  # qag:ratelimit:client:20/1:203.0.113.9
-        bucket_key("key", 100, 60, f"{workspace}~{name}"),  # ...:key:100/60:acme~partner
+        Bucket.named("client", 20, 1, address),  # qag:ratelimit:client:20/1:203.0.113.9
+        Bucket.named("key", 100, 60, f"{workspace}~{name}"),  # ...:key:100/60:acme~partner
     )
 
 
 def handle(
     limiter: Limiter, address: str, workspace: str, name: str, request_id: str
 ) -> Tuple[int, Fields]:
-    per_client, per_key = bucket_names(address, workspace, name)
-    pair = limiter.take_pair(per_client, 20, 1, per_key, 100, 60)
+    per_client, per_key = buckets(address, workspace, name)
+    pair = limiter.take_pair(per_client, per_key)
     quota_key = f"qag:quota:{workspace}~{name}"
-    quota = limiter.quota_check(quota_key, "month", "Europe/Berlin", calls=100_000)
+    quota = limiter.quota_check(quota_key, MONTHLY)
     if not (pair.allowed and quota.allowed):
         return 429, headers(pair.client, pair.key, quota)
     # Requests and model tokens a minute, for the workspace and the key at once (one
@@ -47,7 +51,7 @@ def handle(
     except QagRefused as refused:  # too_many_concurrent
         return 429, headers(pair.client, pair.key, quota, refused)
     limiter.record([key for key, _, _ in scopes], tokens)
-    usage = limiter.quota_add(quota_key, "month", "Europe/Berlin", calls=1, rows=rows)
+    usage = limiter.quota_add(quota_key, MONTHLY, calls=1, rows=rows)
     # Rendered from the count after this call: the last call allowed says 0 left.
     return 200, headers(pair.client, pair.key, quota.after(usage))
 

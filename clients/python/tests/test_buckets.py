@@ -10,7 +10,15 @@ from typing import Any, Callable, List
 import pytest
 
 from conftest import Server
-from qag_client import QagModuleRequired, QagPermissionError, QagUnavailable, TOKEN_BUCKET_LUA
+from qag_client import (
+    TOKEN_BUCKET_LUA,
+    Bucket,
+    QagModuleRequired,
+    QagPermissionError,
+    QagUnavailable,
+    Quota,
+    Refunded,
+)
 
 # A bucket too slow to refill within a test: replies depend on the calls alone.
 COUNT, PERIOD = 5, 36000.0
@@ -18,7 +26,9 @@ COSTS = [1, 2, 1, 3, 1, 9, 1, 1]
 
 
 def reply_of(decision: Any) -> List[int]:
-    return [int(decision.allowed), decision.remaining, decision.retry_after]
+    # The script's reply: -1 for "never fits" (None in a Decision).
+    retry = -1 if decision.retry_after is None else decision.retry_after
+    return [int(decision.allowed), decision.remaining, retry]
 
 
 def test_module_and_script_answer_as_the_raw_command_and_the_script(
@@ -31,9 +41,9 @@ def test_module_and_script_answer_as_the_raw_command_and_the_script(
     script = make_limiter(server, backend="script")
     auto = make_limiter(server)
     for n, cost in enumerate(COSTS):
-        by_module = module.take("qag:m", COUNT, PERIOD, cost)
-        by_auto = auto.take("qag:a", COUNT, PERIOD, cost)
-        by_script = script.take("qag:s", COUNT, PERIOD, cost)
+        by_module = module.take(Bucket("qag:m", COUNT, PERIOD), cost)
+        by_auto = auto.take(Bucket("qag:a", COUNT, PERIOD), cost)
+        by_script = script.take(Bucket("qag:s", COUNT, PERIOD), cost)
         raw_module = raw.execute_command("QAG.TAKE", "qag:rm", COUNT, PERIOD, "COST", cost)
         raw_script = raw.evalsha(sha, 1, "qag:rs", COUNT, PERIOD, cost)
         assert raw_module == raw_script, n
@@ -48,11 +58,11 @@ def test_module_and_script_answer_as_the_raw_command_and_the_script(
     for key in ("qag:m", "qag:a", "qag:s", "qag:rm", "qag:rs"):
         assert sorted(raw.hkeys(key)) == [b"tokens", b"ts"], key
         assert raw.pttl(key) > 0, key
-    peeked = module.peek("qag:m", COUNT, PERIOD)
-    fallback = script.peek("qag:m", COUNT, PERIOD)
+    peeked = module.peek(Bucket("qag:m", COUNT, PERIOD))
+    fallback = script.peek(Bucket("qag:m", COUNT, PERIOD))
     assert reply_of(peeked) == reply_of(fallback)
     assert fallback.answered_by == "script"
-    assert reply_of(script.peek("qag:absent", COUNT, PERIOD, 6)) == [0, 5, -1]
+    assert reply_of(script.peek(Bucket("qag:absent", COUNT, PERIOD), 6)) == [0, 5, -1]
 
 
 def test_without_the_module_auto_runs_the_script_and_module_is_an_error(
@@ -62,17 +72,17 @@ def test_without_the_module_auto_runs_the_script_and_module_is_an_error(
     auto = make_limiter(server)
     module = make_limiter(server, backend="module")
     for left in reversed(range(COUNT)):
-        decision = auto.take("qag:k", COUNT, PERIOD)
+        decision = auto.take(Bucket("qag:k", COUNT, PERIOD))
         assert (decision.allowed, decision.remaining, decision.answered_by) == (
             True,
             left,
             "script",
         )
-    assert not auto.take("qag:k", COUNT, PERIOD).allowed
+    assert not auto.take(Bucket("qag:k", COUNT, PERIOD)).allowed
     with pytest.raises(QagModuleRequired):
-        module.take("qag:k", COUNT, PERIOD)
+        module.take(Bucket("qag:k", COUNT, PERIOD))
     with pytest.raises(QagModuleRequired):
-        auto.quota_add("qag:q", "day", "UTC", calls=1)
+        auto.quota_add("qag:q", Quota("day", "UTC"), calls=1)
 
 
 def test_pairs_by_module_and_by_script_agree_and_leave_a_refused_key_alone(
@@ -88,8 +98,8 @@ def test_pairs_by_module_and_by_script_agree_and_leave_a_refused_key_alone(
         return (pair.allowed, pair.refused_by, pair.client.remaining, key_left, pair.retry_after)
 
     for n in range(6):
-        by_module = module.take_pair("qag:mc", 3, PERIOD, "qag:mk", 5, PERIOD)
-        by_script = script.take_pair("qag:sc", 3, PERIOD, "qag:sk", 5, PERIOD)
+        by_module = module.take_pair(Bucket("qag:mc", 3, PERIOD), Bucket("qag:mk", 5, PERIOD))
+        by_script = script.take_pair(Bucket("qag:sc", 3, PERIOD), Bucket("qag:sk", 5, PERIOD))
         assert shape(by_module) == shape(by_script), n
         assert (by_module.answered_by, by_script.answered_by) == ("module", "script")
         if n >= 3:
@@ -107,8 +117,8 @@ def test_one_bucket_through_module_and_script_refuses_where_the_module_alone_doe
     mixed, alone = [], []
     for n in range(8):
         through = module if n % 2 == 0 else script
-        mixed.append(through.take("qag:shared", COUNT, PERIOD))
-        alone.append(module.take("qag:alone", COUNT, PERIOD))
+        mixed.append(through.take(Bucket("qag:shared", COUNT, PERIOD)))
+        alone.append(module.take(Bucket("qag:alone", COUNT, PERIOD)))
     assert [(d.allowed, d.remaining) for d in mixed] == [(d.allowed, d.remaining) for d in alone]
     assert [d.allowed for d in mixed].index(False) == COUNT
 
@@ -125,15 +135,15 @@ def test_a_user_with_only_the_module_commands(
     auto = make_limiter(server, login)
     script = make_limiter(server, login, backend="script")
     if with_module:
-        assert auto.take("qag:k", COUNT, PERIOD).answered_by == "module"
-        assert auto.take_pair("qag:{t}c", 3, 1, "qag:{t}k", 5, 60).allowed
+        assert auto.take(Bucket("qag:k", COUNT, PERIOD)).answered_by == "module"
+        assert auto.take_pair(Bucket("qag:{t}c", 3, 1), Bucket("qag:{t}k", 5, 60)).allowed
     else:
         # COMMAND is not granted either: the module command is tried, is unknown, and
         # the script is refused: a permission error, not a missing module.
         with pytest.raises(QagPermissionError):
-            auto.take("qag:k", COUNT, PERIOD)
+            auto.take(Bucket("qag:k", COUNT, PERIOD))
     with pytest.raises(QagPermissionError):
-        script.take("qag:k", COUNT, PERIOD)
+        script.take(Bucket("qag:k", COUNT, PERIOD))
 
 
 def test_auto_follows_a_restart_without_and_with_the_module(
@@ -151,7 +161,7 @@ def test_auto_follows_a_restart_without_and_with_the_module(
 
     def take() -> None:
         try:
-            decision = auto.take("qag:k", 10, PERIOD)
+            decision = auto.take(Bucket("qag:k", 10, PERIOD))
             seen.append((decision.answered_by, decision.remaining))
         except QagUnavailable:
             # The first call after a restart may find its connection dropped.
@@ -174,3 +184,38 @@ def test_auto_follows_a_restart_without_and_with_the_module(
     assert "script" in backends and backends[-1] == "module", seen
     switches = sum(1 for a, b in zip(backends, backends[1:]) if a != b)
     assert switches == 2, seen
+
+
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
+def test_refunds_give_tokens_back_and_leave_a_missing_bucket_missing(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any], with_module: bool
+) -> None:
+    server = start_server(with_module=with_module)
+    raw = server.client()
+    limiter = make_limiter(server)
+    by = "module" if with_module else "script"
+    missing = Bucket("qag:missing", COUNT, PERIOD)
+    assert limiter.refund(missing, 2) == Refunded(COUNT, by)
+    assert not raw.exists("qag:missing")
+    bucket = Bucket("qag:r", COUNT, PERIOD)
+    assert limiter.take(bucket, 4).remaining == 1
+    assert limiter.refund(bucket, 2) == Refunded(3, by)
+    assert limiter.refund(bucket, 100) == Refunded(COUNT, by), "never above the count"
+    assert limiter.take(bucket, COUNT).allowed
+    with pytest.raises(ValueError, match="n must be an integer from 1"):
+        limiter.refund(bucket, 0)
+
+
+@pytest.mark.parametrize("policy", ["local", "forward"])
+def test_refunds_while_redis_is_down_follow_the_policy(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any], policy: str
+) -> None:
+    server = start_server()
+    limiter = make_limiter(server, on_unavailable=policy)
+    server.kill()
+    bucket = Bucket("qag:r", COUNT, PERIOD)
+    if policy == "forward":
+        assert limiter.refund(bucket, 1) == Refunded(COUNT, "forwarded")
+        return
+    assert limiter.take(bucket, 3).answered_by == "local"
+    assert limiter.refund(bucket, 1) == Refunded(3, "local")

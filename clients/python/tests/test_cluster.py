@@ -14,7 +14,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
 from conftest import Server
-from qag_client import TOKEN_BUCKET_LUA, AsyncLimiter, Limiter, bucket_key
+from qag_client import TOKEN_BUCKET_LUA, AsyncLimiter, Bucket, Limiter, bucket_key
 
 
 def owner(nodes: List[Server], key: str) -> Server:
@@ -36,7 +36,7 @@ def scenario(
         client = bucket_key("ip", 2, 60, "203.0.113.9", tag)
         key = bucket_key("key", 60, 60, "partner", tag)
         for n in range(3):
-            pair = take_pair(client, 2, 60, key, 60, 60)
+            pair = take_pair(Bucket(client, 2, 60), Bucket(key, 60, 60))
             assert pair.answered_by == backend
             assert pair.allowed == (n < 2), (client, n)
         node = owner(nodes, key)
@@ -47,7 +47,7 @@ def scenario(
             raw.script_flush()
             assert raw.script_exists(sha) == [False]
             # Flushed on the owner: the next call loads it there again.
-            assert take(client, 2, 60).answered_by == "script"
+            assert take(Bucket(client, 2, 60)).answered_by == "script"
             assert raw.script_exists(sha) == [True]
     assert len(used) == 3, "the tags spread over every node"
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Set, Tuple
 import pytest
 
 from conftest import Blocking, Server
-from qag_client import AsyncLimiter, Decision, QagBusy, QagUnavailable
+from qag_client import AsyncLimiter, Bucket, Decision, QagBusy, QagUnavailable, Quota
 
 DEADLINE = 0.3
 BACK_OFF = 2.0
@@ -40,34 +40,34 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     strict = make_limiter(server, deadline=DEADLINE, back_off=1.0)
     local = make_limiter(server, deadline=DEADLINE, on_unavailable="local", back_off=1.0)
     for limiter in (strict, local):
-        assert limiter.take("qag:warm", 5, 3600).answered_by == "module"
+        assert limiter.take(Bucket("qag:warm", 5, 3600)).answered_by == "module"
 
     stop(server)
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="deadline"):
-        strict.take("qag:strict", 5, 3600)
+        strict.take(Bucket("qag:strict", 5, 3600))
     assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.1
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="backing off"):
-        strict.take("qag:strict", 5, 3600)
+        strict.take(Bucket("qag:strict", 5, 3600))
     assert time.monotonic() - started < FAST
     assert strict.backing_off and not strict.counting_locally
 
     decisions = []
     for _ in range(6):
-        decision = local.take("qag:local", 5, 3600)
+        decision = local.take(Bucket("qag:local", 5, 3600))
         decisions.append((decision.allowed, decision.remaining, decision.answered_by))
     assert decisions == [(True, 4, "local"), (True, 3, "local"), (True, 2, "local"),
                          (True, 1, "local"), (True, 0, "local"), (False, 0, "local")]  # fmt: skip
     assert local.counting_locally and local.local_decisions == 6
-    pair = local.take_pair("qag:local", 5, 3600, "qag:other", 5, 3600)
+    pair = local.take_pair(Bucket("qag:local", 5, 3600), Bucket("qag:other", 5, 3600))
     assert pair.answered_by == "local" and pair.refused_by == "client" and pair.key is None
 
     os.kill(server.process.pid, signal.SIGCONT)
     time.sleep(1.0)  # the back-off ends: the next call is the probe
-    assert local.take("qag:local", 5, 3600).answered_by == "module"
+    assert local.take(Bucket("qag:local", 5, 3600)).answered_by == "module"
     assert not local.counting_locally
-    assert strict.take("qag:strict", 5, 3600).answered_by == "module"
+    assert strict.take(Bucket("qag:strict", 5, 3600)).answered_by == "module"
     assert local.counts.local == 7 and local.counts.module == 2
     assert strict.counts.errors == 2 and strict.counts.module == 2
     # Redis saw the warm-up calls, the two sent before their deadlines passed (run
@@ -85,7 +85,7 @@ def test_connecting_to_a_stopped_server_is_within_the_deadline(
     limiter = make_limiter(server, deadline=DEADLINE)  # no connection yet
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="deadline"):
-        limiter.take("qag:k", 5, 3600)
+        limiter.take(Bucket("qag:k", 5, 3600))
     assert time.monotonic() - started < DEADLINE + 0.1
 
 
@@ -98,13 +98,13 @@ def gateway_request(limiter: Any, n: int) -> Tuple[float, float, Set[str], int]:
     started, worked = time.monotonic(), time.thread_time()
     scopes = [("qag:win:{acme}:org", 100_000, 0), ("qag:win:{acme}:key", 100_000, 10**9)]
     try:
-        pair = limiter.take_pair("qag:ratelimit:client:1000/1:198.51.100.7", 1000, 1,
-                                 "qag:ratelimit:key:100000/3600:acme~bot", 100_000, 3600)  # fmt: skip
+        pair = limiter.take_pair(Bucket("qag:ratelimit:client:1000/1:198.51.100.7", 1000, 1),
+                                 Bucket("qag:ratelimit:key:100000/3600:acme~bot", 100_000, 3600))  # fmt: skip
         admission = limiter.admit(scopes)
-        quota = limiter.quota_check("qag:quota:acme~bot", "month", "UTC", calls=1_000_000)
+        quota = limiter.quota_check("qag:quota:acme~bot", Quota("month", "UTC", calls=1_000_000))
         with limiter.lease("qag:running:acme~bot", 100, 10_000, f"req-{n}") as lease:
             seen.add(lease.answered_by)
-        usage = limiter.quota_add("qag:quota:acme~bot", "month", "UTC", calls=1)
+        usage = limiter.quota_add("qag:quota:acme~bot", Quota("month", "UTC"), calls=1)
         limiter.record([key for key, _, _ in scopes], 10)
         assert pair.allowed and admission.admitted and quota.allowed
         seen |= {pair.answered_by, admission.answered_by, quota.answered_by, usage.answered_by}
@@ -208,15 +208,15 @@ def test_a_busy_pool_is_back_pressure_not_an_outage(
 ) -> None:
     server = start_server()
     limiter = make_limiter(server, deadline=DEADLINE, on_unavailable="local", max_connections=1)
-    assert limiter.take("qag:k", 5, 3600).answered_by == "module"
+    assert limiter.take(Bucket("qag:k", 5, 3600)).answered_by == "module"
     hold_every_connection(limiter)
     started = time.monotonic()
     with pytest.raises(QagBusy, match="pool of 1"):
-        limiter.take("qag:k", 5, 3600)
+        limiter.take(Bucket("qag:k", 5, 3600))
     assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.1
     assert not limiter.backing_off and limiter.counts.local == 0 and limiter.counts.errors == 1
     give_back_a_connection(limiter)
-    decision = limiter.take("qag:k", 5, 3600)
+    decision = limiter.take(Bucket("qag:k", 5, 3600))
     assert (decision.answered_by, decision.remaining) == ("module", 3)
 
 
@@ -233,8 +233,8 @@ def test_a_thousand_concurrent_calls_on_a_small_pool(start_server: Callable[...,
         started = time.monotonic()
         results = await asyncio.gather(
             *(
-                limiter.take_pair(f"qag:ratelimit:client:100000/1:10.0.{n % 250}.1", 100_000, 1,
-                                  "qag:ratelimit:key:60/3600:acme~partner", count, period)  # fmt: skip
+                limiter.take_pair(Bucket(f"qag:ratelimit:client:100000/1:10.0.{n % 250}.1", 100_000, 1),
+                                  Bucket("qag:ratelimit:key:60/3600:acme~partner", count, period))  # fmt: skip
                 for n in range(1000)
             ),
             return_exceptions=True,
@@ -277,7 +277,7 @@ def test_concurrent_calls_during_a_stop_keep_to_the_local_share(
         async def caller(n: int) -> None:
             key = keys[n % len(keys)]
             while time.monotonic() < until:
-                decided[key].append(await limiter.take(key, 20, 3600))
+                decided[key].append(await limiter.take(Bucket(key, 20, 3600)))
                 await asyncio.sleep(0.005)
 
         loop = asyncio.get_running_loop()

@@ -9,13 +9,34 @@ from importlib import resources
 import pytest
 
 from conftest import REPOSITORY
-from qag_client import Limiter
+from qag_client import Bucket, Limiter, Quota
 from qag_client.local import LocalBuckets
 
 
 def test_the_packaged_script_is_the_repositorys_byte_for_byte() -> None:
-    packaged = resources.files("qag_client").joinpath("token_bucket.lua").read_bytes()
-    assert packaged == (REPOSITORY / "lua/token_bucket.lua").read_bytes()
+    for name in ("token_bucket.lua", "token_refund.lua"):
+        packaged = resources.files("qag_client").joinpath(name).read_bytes()
+        assert packaged == (REPOSITORY / "lua" / name).read_bytes(), name
+
+
+def test_local_refunds_refill_first_and_never_write_a_missing_bucket() -> None:
+    local = LocalBuckets()
+    assert local.refund("missing", 5, 60.0, 2, 1000.0) == 5
+    assert len(local) == 0, "a missing bucket is full: nothing kept"
+    local.take("k", 5, 60.0, 4, 1000.0)  # 1 left at t=1000
+    # 12 s later 1 more refilled (5 per 60 s), then 2 given back.
+    assert local.refund("k", 5, 60.0, 2, 1012.0) == 4
+    assert local.refund("k", 5, 60.0, 100, 1012.0) == 5, "never above the count"
+
+
+def test_sorted_errors_keep_their_cause() -> None:
+    import redis.exceptions as errors
+
+    from qag_client._engine import sort_error
+
+    cause = errors.ConnectionError("Connection refused")
+    sorted_error = sort_error(cause)
+    assert sorted_error.__cause__ is cause
 
 
 def test_local_buckets_forget_full_ones_when_many() -> None:
@@ -33,20 +54,26 @@ def test_local_buckets_forget_full_ones_when_many() -> None:
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda l: l.take("k", 0, 60), "count must be an integer from 1 to 9007199254740992"),
-        (lambda l: l.take("k", 2**53 + 1, 60), "count must be an integer"),
-        (lambda l: l.take("k", 5, float("nan")), "period must be a number from 0.000001"),
-        (lambda l: l.take("k", 5, 1e11), "period must be a number"),
-        (lambda l: l.take("k", 5, 60, cost=0), "cost must be an integer from 1"),
-        (lambda l: l.take("k", True, 60), "count must be an integer"),
-        (lambda l: l.take("", 5, 60), "key must be a non-empty string"),
-        (lambda l: l.take_pair("c", 5, 60, "k", 5, -1), "period must be a number"),
+        (
+            lambda l: l.take(Bucket("k", 0, 60)),
+            "count must be an integer from 1 to 9007199254740992",
+        ),
+        (lambda l: l.take(Bucket("k", 2**53 + 1, 60)), "count must be an integer"),
+        (lambda l: l.take(Bucket("k", 5, float("nan"))), "period must be a number from 0.000001"),
+        (lambda l: l.take(Bucket("k", 5, 1e11)), "period must be a number"),
+        (lambda l: l.take(Bucket("k", 5, 60), cost=0), "cost must be an integer from 1"),
+        (lambda l: l.take(Bucket("k", True, 60)), "count must be an integer"),
+        (lambda l: l.take(Bucket("", 5, 60)), "key must be a non-empty string"),
+        (lambda l: l.take_pair(Bucket("c", 5, 60), Bucket("k", 5, -1)), "period must be a number"),
         (lambda l: l.lease("k", 0, 1000, "q"), "max must be an integer from 1 to 1000000"),
         (lambda l: l.lease("k", 1, 0, "q"), "ttl_ms must be an integer from 1"),
         (lambda l: l.lease("k", 1, 1000, "x" * 257), "id must be at most 256 bytes"),
-        (lambda l: l.quota_check("k", "week", "UTC", calls=1), "PER must be day or month"),
-        (lambda l: l.quota_check("k", "day", "UTC"), "missing CALLS or ROWS"),
-        (lambda l: l.quota_add("k", "day", "UTC", calls=-1), "calls must be an integer from 0"),
+        (lambda l: l.quota_check("k", Quota("week", "UTC", calls=1)), "PER must be day or month"),
+        (lambda l: l.quota_check("k", Quota("day", "UTC")), "missing CALLS or ROWS"),
+        (
+            lambda l: l.quota_add("k", Quota("day", "UTC"), calls=-1),
+            "calls must be an integer from 0",
+        ),
         (lambda l: l.admit([]), "numscopes must be an integer from 1 to 64"),
         (lambda l: l.admit([("a", 1, 1), ("a", 1, 1)]), "each scope must have its own key"),
         (lambda l: l.admit([("a", 1, 1)], window=0), "WINDOW must be an integer from 1"),

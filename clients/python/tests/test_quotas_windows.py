@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import Server
-from qag_client import QagModuleRequired, QagRefused, QagServerError, Scope, headers
+from qag_client import Bucket, QagModuleRequired, QagRefused, QagServerError, Quota, Scope, headers
 
 
 def test_quota_check_add_seed(
@@ -16,17 +16,17 @@ def test_quota_check_add_seed(
 ) -> None:
     server = start_server()
     limiter = make_limiter(server)
-    before = limiter.quota_check("qag:q", "month", "Europe/Berlin", calls=2, rows=1000)
+    before = limiter.quota_check("qag:q", Quota("month", "Europe/Berlin", calls=2, rows=1000))
     assert before.allowed and (before.calls_remaining, before.rows_remaining) == (2, 1000)
     assert (before.calls_limit, before.rows_limit) == (2, 1000)
-    usage = limiter.quota_add("qag:q", "month", "Europe/Berlin", calls=1, rows=250)
+    usage = limiter.quota_add("qag:q", Quota("month", "Europe/Berlin"), calls=1, rows=250)
     assert (usage.calls, usage.rows, usage.resets_at) == (1, 250, before.resets_at)
-    seeded = limiter.quota_seed("qag:q", "month", "Europe/Berlin", calls=2, rows=100)
+    seeded = limiter.quota_seed("qag:q", Quota("month", "Europe/Berlin"), calls=2, rows=100)
     assert (seeded.calls, seeded.rows) == (2, 250)
-    after = limiter.quota_check("qag:q", "month", "Europe/Berlin", calls=2)
+    after = limiter.quota_check("qag:q", Quota("month", "Europe/Berlin", calls=2))
     assert not after.allowed and after.calls_remaining == 0 and after.rows_remaining is None
     with pytest.raises(QagServerError, match="TZ must be a known IANA time zone"):
-        limiter.quota_check("qag:q", "day", "Mars/Olympus", calls=1)
+        limiter.quota_check("qag:q", Quota("day", "Mars/Olympus", calls=1))
 
 
 def test_admit_and_record(
@@ -54,11 +54,11 @@ def test_quota_headers_count_the_call_itself(
     limiter = make_limiter(server)
     rendered = []
     for _ in range(4):
-        check = limiter.quota_check("qag:quota:acme~bot", "month", "Europe/Berlin", calls=3)
+        check = limiter.quota_check("qag:quota:acme~bot", Quota("month", "Europe/Berlin", calls=3))
         if not check.allowed:
             rendered.append(dict(headers(quota=check)))
             break
-        usage = limiter.quota_add("qag:quota:acme~bot", "month", "Europe/Berlin", calls=1)
+        usage = limiter.quota_add("qag:quota:acme~bot", Quota("month", "Europe/Berlin"), calls=1)
         assert usage.answered_by == "module"
         rendered.append(dict(headers(quota=check.after(usage))))
     assert [fields["x-quota-remaining-calls"] for fields in rendered] == ["2", "1", "0", "0"]
@@ -71,7 +71,7 @@ def test_a_refused_lease_renders_retry_after_one(
 ) -> None:
     server = start_server()
     limiter = make_limiter(server)
-    key = limiter.take("qag:ratelimit:key:60/60:acme~bot", 60, 60)
+    key = limiter.take(Bucket("qag:ratelimit:key:60/60:acme~bot", 60, 60))
     with limiter.lease("qag:running:acme~bot", 1, 10_000, "q1"):
         with pytest.raises(QagRefused) as refused:
             with limiter.lease("qag:running:acme~bot", 1, 10_000, "q2"):

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import REPOSITORY
 from qag_client import Decision, QagRefused, QuotaDecision, QuotaUsage, bucket_key, headers
+from qag_client.answers import Refusal
 from qag_client.local import LocalBuckets
 
 CASES = json.loads((REPOSITORY / "clients/shared_cases.json").read_text())
@@ -25,7 +26,11 @@ def test_bucket_names(case: dict) -> None:
 
 
 def _bucket(value: Optional[dict]) -> Optional[Decision]:
-    return None if value is None else Decision(**value)
+    if value is None:
+        return None
+    # The cases write "never fits" as -1 (Rust's RetryAfter::Never, Python's None).
+    retry = value["retry_after"]
+    return Decision(**{**value, "retry_after": None if retry == -1 else retry})
 
 
 @pytest.mark.parametrize("case", CASES["headers"], ids=lambda case: case["name"])
@@ -54,3 +59,14 @@ def test_local_bucket_arithmetic(case: dict) -> None:
     for step in case["steps"]:
         reply = local.take("k", case["count"], case["period"], step["cost"], step["now"])
         assert reply == step["reply"], step
+
+
+@pytest.mark.parametrize("case", CASES["answers"], ids=lambda case: case["name"])
+def test_refusal_answers(case: dict) -> None:
+    fields = dict(case["refusal"])
+    kind = fields.pop("kind")
+    retry = fields.pop("retry_after", 0)
+    refusal = Refusal(kind, None if retry == -1 else retry, **fields)
+    assert refusal.status == case["status"]
+    assert (None if refusal.seconds is None else str(refusal.seconds)) == case["retry_after"]
+    assert refusal.body(case["request_id"]) == case["body"]

@@ -11,7 +11,7 @@ talk to Redis.
 """
 
 from ._async import AsyncLease, AsyncLimiter
-from ._script import TOKEN_BUCKET_LUA
+from ._script import TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA
 from ._sync import Lease, Limiter
 from .decisions import (
     Admission,
@@ -25,17 +25,20 @@ from .decisions import (
     QagRefused,
     QagServerError,
     QagUnavailable,
+    Quota,
     QuotaDecision,
     QuotaUsage,
+    Refunded,
     Scope,
 )
 from .headers import headers
-from .naming import bucket_key
+from .naming import Bucket, bucket_key
 
 __all__ = [
     "Admission",
     "AsyncLease",
     "AsyncLimiter",
+    "Bucket",
     "Counts",
     "Decision",
     "Lease",
@@ -48,10 +51,13 @@ __all__ = [
     "QagRefused",
     "QagServerError",
     "QagUnavailable",
+    "Quota",
     "QuotaDecision",
     "QuotaUsage",
+    "Refunded",
     "Scope",
     "TOKEN_BUCKET_LUA",
+    "TOKEN_REFUND_LUA",
     "bucket_key",
     "headers",
 ]

@@ -35,6 +35,7 @@ from .decisions import (
     Decision,
     LeaseGrant,
     PairDecision,
+    Quota,
     QagBusy,
     QagError,
     QagModuleRequired,
@@ -43,6 +44,7 @@ from .decisions import (
     QagUnavailable,
     QuotaDecision,
     QuotaUsage,
+    Refunded,
     Scope,
 )
 from .local import LocalBuckets, LocalState, share_of
@@ -67,6 +69,8 @@ class Command:
 class RunScript:
     key: str
     arguments: Tuple[Any, ...]
+    # "bucket" (lua/token_bucket.lua) or "refund" (lua/token_refund.lua).
+    script: str = "bucket"
 
 
 Request = Any  # Command | RunScript
@@ -80,7 +84,15 @@ _POOL_EXHAUSTED = ("Too many connections", "No connection available.")
 
 
 def sort_error(error: BaseException) -> BaseException:
-    """A redis-py error as this package's exception (other exceptions stay as they are)."""
+    """A redis-py error as this package's exception, with the error as its cause (other
+    exceptions stay as they are)."""
+    sorted_error = _sorted(error)
+    if sorted_error is not error and sorted_error.__cause__ is None:
+        sorted_error.__cause__ = error
+    return sorted_error
+
+
+def _sorted(error: BaseException) -> BaseException:
     import redis.exceptions as errors
 
     text = str(error)
@@ -402,6 +414,31 @@ class Engine:
 
         return self._routed(self._peek(call), Fallback(call.forwarded, local))
 
+    def refund(self, call: BucketCall, n: int) -> Flow[Refunded]:
+        arguments = call.refund_arguments(n)
+
+        def local(state: LocalState, now: float, share: float) -> Refunded:
+            count = share_of(call.count, share)
+            return Refunded(state.buckets.refund(call.key, count, call.period, n, now), "local")
+
+        return self._routed(
+            self._refund(call, arguments),
+            Fallback(lambda: Refunded(call.count, "forwarded"), local),
+        )
+
+    def _refund(self, call: BucketCall, arguments: Tuple[Any, ...]) -> Flow[Refunded]:
+        if (yield from self.path()) == "module":
+            try:
+                reply = yield Command(("QAG.REFUND", call.key, *arguments))
+                return call.refunded(reply, "module")
+            except UnknownCommand:
+                self._module_failed()
+        try:
+            reply = yield RunScript(call.key, arguments, "refund")
+        except UnknownCommand as error:
+            raise QagServerError(str(error)) from error
+        return call.refunded(reply, "script")
+
     def _take(self, call: BucketCall) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
@@ -466,11 +503,11 @@ class Engine:
             if attempt is not None:
                 attempt.sent = True
             return (yield Command(tuple(words)))
-        except UnknownCommand:
+        except UnknownCommand as error:
             self.note_missing()
             raise QagModuleRequired(
                 "the qag module is required and the server does not have it"
-            ) from None
+            ) from error
 
     # Leases.
 
@@ -537,10 +574,9 @@ class Engine:
 
     # Quotas.
 
-    def quota_check(
-        self, key: str, per: str, tz: str, calls: Optional[int], rows: Optional[int]
-    ) -> Flow[QuotaDecision]:
-        words = d.quota_check_words(key, per, tz, calls, rows)
+    def quota_check(self, key: str, quota: Quota) -> Flow[QuotaDecision]:
+        words = d.quota_check_words(key, quota)
+        per, tz, calls, rows = quota.per, quota.tz, quota.calls, quota.rows
 
         def in_redis() -> Flow[QuotaDecision]:
             decision = d.quota_decision((yield from self.module_only(words)), calls, rows)
@@ -557,10 +593,11 @@ class Engine:
         return self._routed(in_redis(), Fallback(forwarded, local))
 
     def quota_count(
-        self, command: str, key: str, per: str, tz: str, calls: int, rows: int
+        self, command: str, key: str, quota: Quota, calls: int, rows: int
     ) -> Flow[QuotaUsage]:
         """QAG.QUOTA.ADD or QAG.QUOTA.SEED."""
-        words = d.quota_count_words(command, key, per, tz, calls, rows)
+        words = d.quota_count_words(command, key, quota, calls, rows)
+        per, tz = quota.per, quota.tz
 
         def in_redis() -> Flow[QuotaUsage]:
             usage = d.quota_usage((yield from self.module_only(words)))

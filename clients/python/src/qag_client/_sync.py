@@ -15,6 +15,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from . import decisions as d
+from .naming import Bucket
 from ._engine import (
     Command,
     Engine,
@@ -28,7 +29,7 @@ from ._engine import (
     release_gives_up,
     sort_error,
 )
-from ._script import TOKEN_BUCKET_LUA
+from ._script import TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA
 
 log = logging.getLogger("qag_client")
 
@@ -221,7 +222,10 @@ class Limiter:
         self._deadline = deadline
         self._max_connections = max_connections
         self._closed = threading.Event()
-        self._script = self._client.register_script(TOKEN_BUCKET_LUA)
+        self._scripts = {
+            "bucket": self._client.register_script(TOKEN_BUCKET_LUA),
+            "refund": self._client.register_script(TOKEN_REFUND_LUA),
+        }
 
     def close(self) -> None:
         """Closes the limiter's own connections and stops its background releases."""
@@ -250,25 +254,25 @@ class Limiter:
         """Calls answered locally since the limiter was made."""
         return self._engine.counts.local
 
-    def take(self, key: str, count: int, period: float, cost: int = 1) -> d.Decision:
-        return self._run(self._engine.take(d.BucketCall.of(key, count, period, cost)))
+    def take(self, bucket: Bucket, cost: int = 1) -> d.Decision:
+        """Takes ``cost`` tokens from the bucket."""
+        return self._run(self._engine.take(d.BucketCall.on(bucket, cost)))
 
-    def take_pair(
-        self,
-        client_key: str,
-        client_count: int,
-        client_period: float,
-        key_key: str,
-        key_count: int,
-        key_period: float,
-        cost: int = 1,
-    ) -> d.PairDecision:
-        client = d.BucketCall.of(client_key, client_count, client_period, cost)
-        key = d.BucketCall.of(key_key, key_count, key_period, cost)
-        return self._run(self._engine.take_pair(client, key))
+    def take_pair(self, client: Bucket, key: Bucket, cost: int = 1) -> d.PairDecision:
+        """Both buckets of a request: the client's, then the key's if the client's
+        allowed (QAG.TAKE2 with the module: one step)."""
+        first, second = d.BucketCall.on(client, cost), d.BucketCall.on(key, cost)
+        return self._run(self._engine.take_pair(first, second))
 
-    def peek(self, key: str, count: int, period: float, cost: int = 1) -> d.Decision:
-        return self._run(self._engine.peek(d.BucketCall.of(key, count, period, cost)))
+    def peek(self, bucket: Bucket, cost: int = 1) -> d.Decision:
+        """What ``take`` would answer, nothing written."""
+        return self._run(self._engine.peek(d.BucketCall.on(bucket, cost)))
+
+    def refund(self, bucket: Bucket, n: int) -> d.Refunded:
+        """Gives ``n`` tokens back (never above the count; a missing bucket stays
+        missing): QAG.REFUND, or lua/token_refund.lua without the module. For a request
+        one limit admitted and a later one refused."""
+        return self._run(self._engine.refund(d.BucketCall.on(bucket, 1), n))
 
     def lease(self, key: str, max_slots: int, ttl_ms: int, lease_id: str) -> "Lease":
         """``with limiter.lease(...) as lease:`` holds a slot for the block (see Lease)."""
@@ -287,18 +291,14 @@ class Limiter:
     def leases(self, key: str) -> int:
         return self._run(self._engine.leases(key))
 
-    def quota_check(
-        self, key: str, per: str, tz: str, calls: Optional[int] = None, rows: Optional[int] = None
-    ) -> d.QuotaDecision:
-        return self._run(self._engine.quota_check(key, per, tz, calls, rows))
+    def quota_check(self, key: str, quota: d.Quota) -> d.QuotaDecision:
+        return self._run(self._engine.quota_check(key, quota))
 
-    def quota_add(self, key: str, per: str, tz: str, calls: int = 0, rows: int = 0) -> d.QuotaUsage:
-        return self._run(self._engine.quota_count("QAG.QUOTA.ADD", key, per, tz, calls, rows))
+    def quota_add(self, key: str, quota: d.Quota, calls: int = 0, rows: int = 0) -> d.QuotaUsage:
+        return self._run(self._engine.quota_count("QAG.QUOTA.ADD", key, quota, calls, rows))
 
-    def quota_seed(
-        self, key: str, per: str, tz: str, calls: int = 0, rows: int = 0
-    ) -> d.QuotaUsage:
-        return self._run(self._engine.quota_count("QAG.QUOTA.SEED", key, per, tz, calls, rows))
+    def quota_seed(self, key: str, quota: d.Quota, calls: int = 0, rows: int = 0) -> d.QuotaUsage:
+        return self._run(self._engine.quota_count("QAG.QUOTA.SEED", key, quota, calls, rows))
 
     def admit(
         self, scopes: Sequence[Union[d.Scope, Tuple[str, int, int]]], window: Optional[int] = None
@@ -361,7 +361,8 @@ class Limiter:
 
     def _execute(self, request: Any) -> Any:
         if isinstance(request, RunScript):
-            return self._script(keys=[request.key], args=list(request.arguments))
+            script = self._scripts[request.script]
+            return script(keys=[request.key], args=list(request.arguments))
         assert isinstance(request, Command)
         if not request.probe:
             return self._client.execute_command(*request.words)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
+
+if TYPE_CHECKING:
+    from .naming import Bucket
 
 COUNT_MAX = 1 << 53
 COST_MAX = (1 << 63) - 1
@@ -57,8 +60,9 @@ class QagRefused(QagError):
     process's count when ``answered_by`` is "local"). ``headers(lease=...)`` renders it
     as ``retry-after: 1``."""
 
-    def __init__(self, live: int, retry_after: int, answered_by: str = "module") -> None:
-        super().__init__(f"every slot is held ({live} live); retry after {retry_after} s")
+    def __init__(self, live: int, retry_after: Optional[int], answered_by: str = "module") -> None:
+        wait = "never" if retry_after is None else f"{retry_after} s"
+        super().__init__(f"every slot is held ({live} live); retry after {wait}")
         self.live = live
         self.retry_after = retry_after
         self.answered_by = answered_by
@@ -83,7 +87,7 @@ class Counts:
 @dataclass(frozen=True)
 class Decision:
     """One token bucket's answer. ``retry_after`` is 0 when allowed, else whole seconds
-    until the cost fits, or -1 when it never fits (a cost above the count).
+    until the cost fits, or None when it never fits (a cost above the count).
     ``answered_by`` is "module", "script" (without the module), "local" (counted in
     this process after Redis failed) or "forwarded" (not counted: Redis failed and the
     request goes through; ``remaining`` is then the limit)."""
@@ -92,7 +96,7 @@ class Decision:
     limit: int
     period: float
     remaining: int
-    retry_after: int
+    retry_after: Optional[int]
     answered_by: str = "module"
 
     @property
@@ -130,7 +134,8 @@ class PairDecision:
         return None
 
     @property
-    def retry_after(self) -> int:
+    def retry_after(self) -> Optional[int]:
+        """The refusing bucket's wait (None: never fits), 0 when allowed."""
         if self.refused_by == "client":
             return self.client.retry_after
         if self.refused_by == "key" and self.key is not None:
@@ -145,6 +150,27 @@ class PairDecision:
     def backend(self) -> str:
         """The former name of ``answered_by``."""
         return self.answered_by
+
+
+@dataclass(frozen=True)
+class Refunded:
+    """What a refund left: the bucket's whole tokens after it (its count when
+    forwarded: nothing was given back)."""
+
+    remaining: int
+    answered_by: str = "module"
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A quota described once, for its check, add and seed: a calendar ``per`` ("day"
+    or "month") in the IANA zone ``tz``, with a calls limit, a rows limit or both (None:
+    no limit of that kind; a check needs one)."""
+
+    per: str
+    tz: str = "UTC"
+    calls: Optional[int] = None
+    rows: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -207,7 +233,8 @@ class Admission:
 
     admitted: bool
     refused_by: Optional[int]
-    retry_after: int
+    # Whole seconds (0 when admitted); None: never (the module's replies always wait).
+    retry_after: Optional[int]
     requests_remaining: Optional[int]
     tokens_remaining: Optional[int]
     answered_by: str = "module"
@@ -219,7 +246,7 @@ class LeaseGrant:
 
     acquired: bool
     live: int
-    retry_after: int
+    retry_after: Optional[int]
     answered_by: str = "module"
 
 
@@ -258,6 +285,11 @@ class BucketCall:
     period_text: str
 
     @staticmethod
+    def on(bucket: "Bucket", cost: int) -> "BucketCall":
+        """A call on a described bucket."""
+        return BucketCall.of(bucket.key, bucket.count, bucket.period, cost)
+
+    @staticmethod
     def of(key: str, count: int, period: float, cost: int) -> "BucketCall":
         """Checks in the module's order: key, count, period, cost."""
         key = _text("key", key)
@@ -276,7 +308,17 @@ class BucketCall:
         allowed, left, retry = values
         if allowed not in (0, 1) or left < 0 or retry < -1:
             raise QagServerError(f"a bucket reply, got {reply!r}")
-        return Decision(bool(allowed), self.count, self.period, left, retry, answered_by)
+        wait = None if retry == -1 else retry
+        return Decision(bool(allowed), self.count, self.period, left, wait, answered_by)
+
+    def refund_arguments(self, n: int) -> Tuple[object, ...]:
+        """QAG.REFUND's (and the refund script's) count, period and n."""
+        return (self.count, self.period_text, _integer("n", n, 1, INT64_MAX))
+
+    def refunded(self, reply: object, answered_by: str) -> Refunded:
+        if isinstance(reply, bool) or not isinstance(reply, int) or reply < 0:
+            raise QagServerError(f"a QAG.REFUND reply, got {reply!r}")
+        return Refunded(reply, answered_by)
 
     def forwarded(self) -> Decision:
         """Not counted: the request goes through."""
@@ -306,10 +348,16 @@ def quota_words(per: str, tz: str) -> List[object]:
     return ["PER", per, "TZ", _text("tz", tz)]
 
 
-def quota_check_words(
-    key: str, per: str, tz: str, calls: Optional[int], rows: Optional[int]
-) -> List[object]:
-    words: List[object] = ["QAG.QUOTA", _text("key", key), *quota_words(per, tz)]
+def check_quota(quota: object) -> "Quota":
+    if not isinstance(quota, Quota):
+        raise ValueError("quota must be a Quota(per, tz, calls, rows)")
+    return quota
+
+
+def quota_check_words(key: str, quota: Quota) -> List[object]:
+    quota = check_quota(quota)
+    calls, rows = quota.calls, quota.rows
+    words: List[object] = ["QAG.QUOTA", _text("key", key), *quota_words(quota.per, quota.tz)]
     if calls is None and rows is None:
         raise ValueError("missing CALLS or ROWS")
     if calls is not None:
@@ -319,13 +367,12 @@ def quota_check_words(
     return words
 
 
-def quota_count_words(
-    command: str, key: str, per: str, tz: str, calls: int, rows: int
-) -> List[object]:
+def quota_count_words(command: str, key: str, quota: Quota, calls: int, rows: int) -> List[object]:
+    quota = check_quota(quota)
     return [
         command,
         _text("key", key),
-        *quota_words(per, tz),
+        *quota_words(quota.per, quota.tz),
         "CALLS",
         _integer("calls", calls, 0, INT64_MAX),
         "ROWS",
@@ -417,4 +464,4 @@ def admission(reply: object) -> Admission:
 
 def lease_grant(reply: object) -> LeaseGrant:
     acquired, live, retry = _integers(reply, 3, "a QAG.LEASE reply")
-    return LeaseGrant(acquired == 1, max(live, 0), max(retry, 0))
+    return LeaseGrant(acquired == 1, max(live, 0), None if retry == -1 else max(retry, 0))

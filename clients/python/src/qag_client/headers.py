@@ -34,7 +34,7 @@ class _Limit:
 
 
 def _bucket(name: str, decision: Decision) -> _Limit:
-    wait = decision.retry_after if decision.retry_after >= 0 else None
+    wait = decision.retry_after
     reset = wait if not decision.allowed and wait is not None else decision.seconds_to_full()
     return _Limit(
         name=name,

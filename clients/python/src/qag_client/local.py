@@ -55,6 +55,19 @@ def take(
     return [allowed, math.floor(tokens), retry], (tokens, _lua_max(ts, now))
 
 
+def refund(
+    count: int, period: float, n: int, stored: Optional[Tuple[float, float]], now: float
+) -> Tuple[int, Optional[Tuple[float, float]]]:
+    """lua/token_refund.lua on one bucket: the tokens left and the state to keep (None:
+    a missing bucket is full, nothing is written). Refilled to now as a take of nothing
+    refills it, then ``n`` added, never above the count."""
+    if stored is None:
+        return count, None
+    _, (tokens, ts) = take(count, period, 0, stored, now)
+    tokens = _lua_min(float(count), tokens + n)
+    return math.floor(tokens), (tokens, ts)
+
+
 class LocalBuckets:
     def __init__(self) -> None:
         self._buckets: Dict[str, Tuple[Tuple[float, float], int, float]] = {}
@@ -66,6 +79,13 @@ class LocalBuckets:
             self._prune(now)
         self._buckets[key] = (state, count, period)
         return reply
+
+    def refund(self, key: str, count: int, period: float, n: int, now: float) -> int:
+        stored = self._buckets.get(key)
+        left, state = refund(count, period, n, stored[0] if stored else None, now)
+        if state is not None:
+            self._buckets[key] = (state, count, period)
+        return left
 
     def peek(self, key: str, count: int, period: float, cost: int, now: float) -> List[int]:
         stored = self._buckets.get(key)

@@ -1,0 +1,407 @@
+"""The limiting step of a gateway, as ADR 0032 and ADR 0011 give it, free of I/O and of
+any web framework: what the ASGI middleware (``qag_client.asgi``) and the WSGI one
+(``qag_client.wsgi``) both do with a request, in one place (the Rust client's
+``tower.rs`` does the same).
+
+1. the client's bucket, keyed by the caller's address: a refusal answers 429
+   ``rate_limited`` and the key's bucket is not touched;
+2. the key's bucket: 429 ``rate_limited`` ("for this API key"), the client's token
+   given back;
+3. the key's quota: 429 ``quota_exceeded``, both tokens given back;
+4. the key's concurrency slot: 429 ``too_many_concurrent``, both tokens given back.
+
+Like the limiters' flows, each step is a generator that yields ``Call``s (a limiter
+method and its arguments) and receives their answers, or has the limiter's error
+thrown in; the middleware runs it with awaits or blocking calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generator,
+    List,
+    Mapping,
+    Optional,
+    Tuple,
+    Union,
+)
+from urllib.parse import parse_qs
+
+from .answers import Refusal
+from .decisions import Decision, QagError, QagRefused, Quota, QuotaDecision
+from .headers import headers
+from .naming import Bucket
+
+log = logging.getLogger("qag_client")
+
+Rate = Tuple[int, float]
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """A key's own limits (ADR 0011: keys have their own); None where it has none of
+    that kind: its bucket (``count`` per ``period`` seconds), how many of its requests
+    may run at once, its quota."""
+
+    bucket: Optional[Rate] = None
+    max_concurrent: Optional[int] = None
+    quota: Optional[Quota] = None
+
+
+class RequestParts:
+    """What the extractors see of a request, the same under ASGI and WSGI: the peer's
+    address, the header fields (lowercase names; the first of repeated ones), the query
+    parameters (the first value of each), and the raw ASGI scope or WSGI environ."""
+
+    def __init__(
+        self,
+        raw: Mapping[str, Any],
+        peer: Optional[str],
+        header_list: Callable[[], Dict[str, str]],
+        query_string: str,
+    ) -> None:
+        self.raw = raw
+        self.peer = peer
+        self._header_list = header_list
+        self._query_string = query_string
+
+    @cached_property
+    def headers(self) -> Dict[str, str]:
+        return self._header_list()
+
+    @cached_property
+    def query(self) -> Dict[str, str]:
+        return {
+            name: values[0]
+            for name, values in parse_qs(self._query_string, keep_blank_values=True).items()
+        }
+
+
+Extract = Callable[[RequestParts], Optional[str]]
+
+
+def query_parameter(name: str) -> Extract:
+    """An extractor: the query parameter ``name`` (e.g. ``?key=acme~partner``)."""
+    return lambda parts: parts.query.get(name) or None
+
+
+def header(name: str) -> Extract:
+    """An extractor: the header field ``name`` (e.g. ``x-api-key``)."""
+    lowered = name.lower()
+    return lambda parts: parts.headers.get(lowered) or None
+
+
+def _peer(parts: RequestParts) -> Optional[str]:
+    return parts.peer
+
+
+@dataclass(frozen=True)
+class Config:
+    """The middleware's configuration (the same options under ASGI and WSGI)."""
+
+    client_bucket: Optional[Rate] = None
+    client_address: Extract = _peer
+    api_key: Extract = lambda _: None
+    key_limits: Callable[[str], KeyLimits] = lambda _: KeyLimits()
+    lease_ttl_ms: int = 30_000
+    draft_headers: bool = True
+    back_off: float = 5.0
+
+    @staticmethod
+    def of(
+        back_off: float,
+        client_bucket: Optional[Rate],
+        client_address: Optional[Extract],
+        trusted_proxy_header: Optional[str],
+        api_key: Optional[Extract],
+        key_limits: Union[KeyLimits, Callable[[str], KeyLimits], None],
+        lease_ttl_ms: int,
+        draft_headers: bool,
+    ) -> "Config":
+        address = client_address or _peer
+        if trusted_proxy_header is not None:
+            address = _forwarded(trusted_proxy_header.lower(), address)
+        if key_limits is None:
+            key_limits = KeyLimits()
+        if isinstance(key_limits, KeyLimits):
+            fixed = key_limits
+            limits_of: Callable[[str], KeyLimits] = lambda _: fixed
+        else:
+            limits_of = key_limits
+        if not (isinstance(lease_ttl_ms, int) and lease_ttl_ms > 0):
+            raise ValueError("lease_ttl_ms must be a positive integer")
+        return Config(
+            client_bucket,
+            address,
+            api_key or (lambda _: None),
+            limits_of,
+            lease_ttl_ms,
+            draft_headers,
+            back_off,
+        )
+
+
+def _forwarded(name: str, otherwise: Extract) -> Extract:
+    """The first entry of a header a trusted proxy sets (as ``x-forwarded-for`` lists
+    them), else ``otherwise``."""
+
+    def address(parts: RequestParts) -> Optional[str]:
+        first = parts.headers.get(name, "").split(",")[0].strip()
+        return first or otherwise(parts)
+
+    return address
+
+
+class ReportRows:
+    """Rows a handler reports for the key's quota: added with the call when the
+    response starts, and what is reported while it streams when it ends."""
+
+    def __init__(self) -> None:
+        self._rows = 0
+        self._lock = threading.Lock()
+
+    def add(self, rows: int) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError("rows must be an integer of at least 0")
+        with self._lock:
+            self._rows += rows
+
+    def take(self) -> int:
+        with self._lock:
+            rows, self._rows = self._rows, 0
+            return rows
+
+
+@dataclass
+class Admitted:
+    """What the middleware decided, for the handler: the decisions (None where not
+    counted; ``quota`` is the check before the call) and ``rows.add(n)`` to report rows
+    for the key's quota."""
+
+    request_id: str
+    api_key: Optional[str]
+    client: Optional[Decision]
+    key: Optional[Decision]
+    quota: Optional[QuotaDecision]
+    rows: ReportRows = field(default_factory=ReportRows)
+
+
+@dataclass(frozen=True)
+class Call:
+    """A limiter call for the driver: ``method`` of the limiter with ``arguments``;
+    "lease" takes a slot (the guard's enter) and answers the guard, "lease_exit"
+    leaves it."""
+
+    method: str
+    arguments: Tuple[Any, ...]
+
+
+Step = Generator[Call, Any, Any]
+Fields = List[Tuple[str, str]]
+
+_PROCESS = f"{os.getpid():x}-{time.time_ns():x}"
+_NEXT = itertools.count()
+
+
+def unique_id() -> str:
+    """An id unique to this process's requests (the process and its start, then a
+    count): never a caller's text, so two requests can never share a slot."""
+    return f"{_PROCESS}-{next(_NEXT):x}"
+
+
+class Limiting:
+    """One request on its way through the limits."""
+
+    def __init__(self, config: Config, parts: RequestParts) -> None:
+        self.config = config
+        self.id = unique_id()
+        given = parts.headers.get("x-request-id", "")
+        self.request_id = given if 0 < len(given) <= 128 else self.id
+        self.api_key = config.api_key(parts)
+        self.limits = KeyLimits() if self.api_key is None else config.key_limits(self.api_key)
+        self.client_bucket: Optional[Bucket] = None
+        if config.client_bucket is not None:
+            address = config.client_address(parts) or "unknown"
+            count, period = config.client_bucket
+            self.client_bucket = Bucket.named("client", count, period, address)
+        self.key_bucket: Optional[Bucket] = None
+        if self.api_key is not None and self.limits.bucket is not None:
+            count, period = self.limits.bucket
+            self.key_bucket = Bucket.named("key", count, period, self.api_key)
+        self.quota_key: Optional[str] = None
+        if self.api_key is not None and self.limits.quota is not None:
+            self.quota_key = f"qag:quota:{self.api_key}"
+        self.client: Optional[Decision] = None
+        self.key: Optional[Decision] = None
+        self.quota: Optional[QuotaDecision] = None
+        self.lease: Any = None
+        self.admitted: Optional[Admitted] = None
+        self._ended = False
+
+    def admit(self) -> Step:
+        """Asks every limit in order; a refusal gives back what the earlier ones took.
+        Returns the ``Admitted`` or the ``Refusal``."""
+        try:
+            return (yield from self._admit())
+        except QagError as error:
+            # A limit could not be asked: 503 under "raise" (the other policies answer).
+            log.warning("qag: request %s not limited: %s", self.request_id, error)
+            return Refusal("unavailable", max(int(self.config.back_off), 1))
+
+    def _admit(self) -> Step:
+        client_bucket, key_bucket = self.client_bucket, self.key_bucket
+        if client_bucket is not None and key_bucket is not None:
+            pair = yield Call("take_pair", (client_bucket, key_bucket))
+            self.client, self.key = pair.client, pair.key
+        elif client_bucket is not None:
+            self.client = yield Call("take", (client_bucket,))
+        elif key_bucket is not None:
+            self.key = yield Call("take", (key_bucket,))
+        if self.client is not None and not self.client.allowed:
+            return Refusal("client", self.client.retry_after)
+        if self.key is not None and not self.key.allowed:
+            yield from self._give_back()
+            return Refusal("key", self.key.retry_after)
+        quota = self.limits.quota
+        if self.quota_key is not None and quota is not None:
+            check = yield Call("quota_check", (self.quota_key, quota))
+            self.quota = check
+            if not check.allowed:
+                yield from self._give_back()
+                exceeded = "calls" if check.calls_remaining == 0 else "rows"
+                wait = max(check.resets_at - int(time.time()), 0)
+                return Refusal("quota", wait, exceeded, check.resets_at)
+        if self.api_key is not None and self.limits.max_concurrent is not None:
+            slots = f"qag:running:{self.api_key}"
+            try:
+                self.lease = yield Call(
+                    "lease", (slots, self.limits.max_concurrent, self.config.lease_ttl_ms, self.id)
+                )
+            except QagRefused:
+                yield from self._give_back()
+                return Refusal("concurrency")
+        self.admitted = Admitted(self.request_id, self.api_key, self.client, self.key, self.quota)
+        return self.admitted
+
+    def _give_back(self) -> Step:
+        """Gives back the tokens the buckets took for a request a later limit refused;
+        the headers then show what the buckets hold after it."""
+        for bucket, side in ((self.client_bucket, "client"), (self.key_bucket, "key")):
+            taken: Optional[Decision] = getattr(self, side)
+            if bucket is None or taken is None or not taken.allowed:
+                continue
+            try:
+                refunded = yield Call("refund", (bucket, 1))
+            except QagError as error:
+                log.warning("qag: refund to %s failed: %s", bucket.key, error)
+                continue
+            setattr(self, side, _with_remaining(taken, refunded.remaining))
+
+    def _headers(self, quota: Optional[QuotaDecision]) -> Fields:
+        return headers(self.client, self.key, quota, draft=self.config.draft_headers)
+
+    def refused(self, refusal: Refusal) -> Tuple[int, Fields, bytes]:
+        """The refusal's status, header fields and body."""
+        fields = [pair for pair in self._headers(self.quota) if pair[0] != "retry-after"]
+        seconds = refusal.seconds
+        if seconds is not None:
+            fields.append(("retry-after", str(seconds)))
+        body = refusal.body(self.request_id).encode()
+        fields += [("content-type", "application/json"), ("content-length", str(len(body)))]
+        return refusal.status, fields, body
+
+    def started(self) -> Step:
+        """The response starts: the call and the rows reported so far are added to the
+        quota; returns the header fields to add to the response."""
+        quota_after = self.quota
+        quota = self.limits.quota
+        if self.quota_key is not None and quota is not None and self.admitted is not None:
+            rows = self.admitted.rows.take()
+            try:
+                usage = yield Call("quota_add", (self.quota_key, quota, 1, rows))
+            except QagError as error:
+                log.warning("qag: quota add for %s failed: %s", self.quota_key, error)
+            else:
+                if self.quota is not None:
+                    quota_after = self.quota.after(usage)
+        return self._headers(quota_after)
+
+    def ended(self) -> Step:
+        """The response ended (its last body message, the client gone, or the app
+        failed): the slot is released, rows reported while it streamed are added.
+        Once only."""
+        if self._ended:
+            return None
+        self._ended = True
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            yield Call("lease_exit", (lease,))
+        quota = self.limits.quota
+        if self.quota_key is not None and quota is not None and self.admitted is not None:
+            late = self.admitted.rows.take()
+            if late:
+                try:
+                    yield Call("quota_add", (self.quota_key, quota, 0, late))
+                except QagError as error:
+                    log.warning("qag: adding %d rows to %s failed: %s", late, self.quota_key, error)
+        return None
+
+
+def _with_remaining(decision: Decision, remaining: int) -> Decision:
+    from dataclasses import replace
+
+    return replace(decision, remaining=remaining)
+
+
+def drive_sync(limiter: Any, step: Step) -> Any:
+    """Runs a step with the blocking ``Limiter``."""
+    reply: Any = None
+    error: Optional[QagError] = None
+    while True:
+        try:
+            call = step.send(reply) if error is None else step.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        reply, error = None, None
+        try:
+            if call.method == "lease":
+                guard = limiter.lease(*call.arguments)
+                reply = guard.__enter__()
+            elif call.method == "lease_exit":
+                call.arguments[0].__exit__(None, None, None)
+            else:
+                reply = getattr(limiter, call.method)(*call.arguments)
+        except QagError as failed:
+            error = failed
+
+
+async def drive_async(limiter: Any, step: Step) -> Any:
+    """Runs a step with the ``AsyncLimiter``."""
+    reply: Any = None
+    error: Optional[QagError] = None
+    while True:
+        try:
+            call = step.send(reply) if error is None else step.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        reply, error = None, None
+        try:
+            if call.method == "lease":
+                guard = limiter.lease(*call.arguments)
+                reply = await guard.__aenter__()
+            elif call.method == "lease_exit":
+                await call.arguments[0].__aexit__(None, None, None)
+            else:
+                reply = await getattr(limiter, call.method)(*call.arguments)
+        except QagError as failed:
+            error = failed

@@ -1,0 +1,158 @@
+"""ASGI middleware that limits every HTTP request as ADR 0032 and ADR 0011 say, on an
+``AsyncLimiter``: pure ASGI, so it works under Starlette, FastAPI or any ASGI app, and
+imports no framework.
+
+::
+
+    app = RateLimitMiddleware(
+        app,
+        limiter,
+        client_bucket=(20, 1),
+        api_key=query_parameter("key"),
+        key_limits=KeyLimits(bucket=(60, 60), max_concurrent=4, quota=Quota("month", calls=100_000)),
+    )
+
+Order, answers and headers are those of the Rust client's tower layer (see
+``_gateway``). An admitted request finds its ``Admitted`` in ``scope["state"]["qag"]``
+(Starlette and FastAPI: ``request.state.qag``; ``qag_client.fastapi.admitted`` as a
+dependency). The call and the rows reported so far are added to the quota when the
+response starts, and the header fields are added to it then; the slot is held until
+the last ``http.response.body`` message, or until the app returns or raises (a client
+gone mid-stream), and rows reported while streaming are added then.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Dict, MutableMapping, Optional, Union
+
+from ._async import AsyncLimiter
+from ._gateway import (
+    Admitted,
+    Config,
+    Extract,
+    KeyLimits,
+    Limiting,
+    Rate,
+    ReportRows,
+    RequestParts,
+    drive_async,
+    header,
+    query_parameter,
+)
+from .answers import Refusal
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+STATE_KEY = "qag"
+
+
+def _parts(scope: Scope) -> RequestParts:
+    client = scope.get("client")
+    peer = str(client[0]) if client else None
+
+    def header_fields() -> Dict[str, str]:
+        fields: Dict[str, str] = {}
+        for name, value in scope.get("headers", ()):
+            fields.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        return fields
+
+    query = scope.get("query_string", b"")
+    return RequestParts(scope, peer, header_fields, query.decode("latin-1"))
+
+
+class RateLimitMiddleware:
+    """The middleware. ``client_bucket``: every address's bucket, ``(count, period)``;
+    ``client_address``: where the caller's address comes from (default the scope's
+    ``client``); ``trusted_proxy_header``: the address from the first entry of a header
+    a proxy the gateway trusts sets (e.g. ``x-forwarded-for``), else as before;
+    ``api_key``: the request's key, ``<workspace>~<name>`` (``query_parameter(name)``,
+    ``header(name)`` or any function of ``RequestParts``; a request without one is
+    limited by its address alone); ``key_limits``: a ``KeyLimits`` for every key, or a
+    function returning each key's own; ``lease_ttl_ms``: how long a slot lives unless
+    renewed; ``draft_headers=False`` leaves out ``ratelimit-policy`` and ``ratelimit``."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        limiter: AsyncLimiter,
+        *,
+        client_bucket: Optional[Rate] = None,
+        client_address: Optional[Extract] = None,
+        trusted_proxy_header: Optional[str] = None,
+        api_key: Optional[Extract] = None,
+        key_limits: Union[KeyLimits, Callable[[str], KeyLimits], None] = None,
+        lease_ttl_ms: int = 30_000,
+        draft_headers: bool = True,
+    ) -> None:
+        self.app = app
+        self.limiter = limiter
+        self.config = Config.of(
+            limiter._engine.back_off,
+            client_bucket,
+            client_address,
+            trusted_proxy_header,
+            api_key,
+            key_limits,
+            lease_ttl_ms,
+            draft_headers,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limiter = self.limiter
+        request = Limiting(self.config, _parts(scope))
+        outcome = await drive_async(limiter, request.admit())
+        if isinstance(outcome, Refusal):
+            status, fields, body = request.refused(outcome)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(n.encode("latin-1"), v.encode("latin-1")) for n, v in fields],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        state = scope.get("state")
+        if state is None:
+            state = scope["state"] = {}
+        state[STATE_KEY] = outcome
+
+        async def send_limited(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                fields = await drive_async(limiter, request.started())
+                message = dict(message)
+                message["headers"] = list(message.get("headers", ())) + [
+                    (n.encode("latin-1"), v.encode("latin-1")) for n, v in fields
+                ]
+            elif kind == "http.response.body" and not message.get("more_body", False):
+                # The last message: the slot is freed as it goes out (first, so that a
+                # framework cancelling the app once the response is complete, as
+                # Starlette's StreamingResponse does, cannot cut the release short).
+                await drive_async(limiter, request.ended())
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_limited)
+        finally:
+            # The app returned or raised (a client gone mid-stream): the slot is freed.
+            await drive_async(limiter, request.ended())
+
+
+__all__ = [
+    "Admitted",
+    "KeyLimits",
+    "RateLimitMiddleware",
+    "ReportRows",
+    "RequestParts",
+    "STATE_KEY",
+    "header",
+    "query_parameter",
+]

@@ -1,0 +1,308 @@
+"""The middleware as a user runs it: examples/fastapi_gateway.py started as a program
+(uvicorn inside) against a real server, driven by a real HTTP client (httpx), with the
+module and without it; and the WSGI middleware under Flask. Exact headers call by
+call, the 429 at the right request with ADR 0032's body, the client's bucket refusing
+without touching the key's, refunds on later refusals, the quota counting down,
+streams holding their slot to the last byte, a client gone mid-stream freeing it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import httpx
+import pytest
+
+from conftest import REPOSITORY, Server
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples/fastapi_gateway.py"
+
+Answer = Tuple[int, List[str], str]
+
+
+class Gateway:
+    def __init__(self, server: Server, flags: List[str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--redis", server.url, "--listen", "127.0.0.1:0"]
+            + flags,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line.startswith("listening on "), f"the gateway said {line!r}"
+        self.base = f"http://{line.strip().removeprefix('listening on ')}"
+
+    def url(self, query: str) -> str:
+        return f"{self.base}/v1/query?{query}"
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def start_gateway() -> Iterator[Callable[..., Gateway]]:
+    started: List[Gateway] = []
+
+    def start(server: Server, *flags: str) -> Gateway:
+        gateway = Gateway(server, list(flags))
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+def limit_fields(response: Any) -> List[str]:
+    """The rate-limit fields (name=value, in order), the quota's reset left out."""
+    return [
+        f"{name}={value}"
+        for name, value in response.headers.items()
+        if (name.startswith(("x-ratelimit", "x-quota")) or name == "retry-after")
+        and name != "x-quota-reset"
+    ]
+
+
+def get(url: str) -> Answer:
+    response = httpx.get(url, timeout=10)
+    return response.status_code, limit_fields(response), response.text
+
+
+def without_request_id(body: str) -> str:
+    head, _, _ = body.partition(',"request_id":')
+    return head + "}"
+
+
+def bucket_tokens(server: Server, key: str) -> Optional[int]:
+    tokens = server.client().hget(key, "tokens")
+    return None if tokens is None else math.floor(float(tokens))
+
+
+def leases(server: Server, key: str) -> int:
+    return int(server.client().execute_command("QAG.LEASES", key))
+
+
+def test_the_readme_shows_the_example_verbatim() -> None:
+    readme = (REPOSITORY / "README.md").read_text()
+    text = EXAMPLE.read_text()
+    shown = text[text.index("import argparse") : text.index("def parse_args")].rstrip()
+    assert f"```python\n{shown}\n```\n" in readme
+
+
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
+def test_the_client_bucket_refuses_first_and_leaves_the_key_bucket_alone(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool
+) -> None:
+    server = start_server(with_module=with_module)
+    gateway = start_gateway(server, "--client-limit", "3/3600", "--key-limit", "100/3600")
+    url = gateway.url("key=acme~a")
+    for left in (2, 1, 0):
+        status, fields, _ = get(url)
+        assert status == 200
+        assert fields == [
+            "x-ratelimit-limit=3",
+            f"x-ratelimit-remaining={left}",
+            "x-ratelimit-key-limit=100",
+            f"x-ratelimit-key-remaining={97 + left}",
+        ]
+    status, fields, body = get(url)
+    assert status == 429
+    assert fields == ["x-ratelimit-limit=3", "x-ratelimit-remaining=0", "retry-after=1200"]
+    assert (
+        without_request_id(body)
+        == '{"error":"Rate limit exceeded","code":"rate_limited","retry_after":1200}'
+    )
+    assert ',"request_id":"' in body
+    # The key's bucket was counted three times, not four.
+    assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~a") == 97
+
+
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
+def test_a_key_bucket_refusal_gives_the_client_token_back(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool
+) -> None:
+    server = start_server(with_module=with_module)
+    gateway = start_gateway(server, "--client-limit", "1000/3600", "--key-limit", "2/3600")
+    url = gateway.url("key=acme~b")
+    assert [get(url)[0] for _ in range(2)] == [200, 200]
+    status, fields, body = get(url)
+    assert status == 429
+    assert fields == [
+        "x-ratelimit-limit=1000",
+        "x-ratelimit-remaining=998",
+        "x-ratelimit-key-limit=2",
+        "x-ratelimit-key-remaining=0",
+        "retry-after=1800",
+    ]
+    assert without_request_id(body) == (
+        '{"error":"Rate limit exceeded for this API key","code":"rate_limited","retry_after":1800}'
+    )
+    assert bucket_tokens(server, "qag:ratelimit:client:1000/3600:127.0.0.1") == 998
+
+
+def test_the_quota_counts_down_then_refuses_and_costs_no_tokens(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    server = start_server()
+    gateway = start_gateway(
+        server, "--key-limit", "100/3600", "--quota-calls", "3", "--quota-per", "day"
+    )
+    url = gateway.url("key=acme~q")
+    for left, key_left in ((2, 99), (1, 98), (0, 97)):
+        status, fields, _ = get(url)
+        assert status == 200
+        assert fields == [
+            "x-ratelimit-key-limit=100",
+            f"x-ratelimit-key-remaining={key_left}",
+            f"x-quota-remaining-calls={left}",
+        ]
+    status, fields, body = get(url)
+    assert status == 429
+    assert fields[:3] == [
+        "x-ratelimit-key-limit=100",
+        "x-ratelimit-key-remaining=97",
+        "x-quota-remaining-calls=0",
+    ]
+    assert fields[3].startswith("retry-after=") and len(fields) == 4
+    assert body.startswith(
+        '{"error":"Quota exceeded for this API key","code":"quota_exceeded","retry_after":'
+    )
+    assert ',"exceeded":"calls","resets_at":' in body
+    assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~q") == 97
+
+
+def test_streams_hold_their_slot_to_the_last_byte(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    server = start_server()
+    gateway = start_gateway(server, "--key-limit", "100/3600", "--max-concurrent", "2")
+    slots = "qag:running:acme~s"
+    url = gateway.url("key=acme~s&work_ms=1500&chunks=5")
+
+    async def three_streams() -> List[Answer]:
+        async with httpx.AsyncClient(timeout=10) as client:
+
+            async def one() -> Answer:
+                response = await client.get(url)
+                return response.status_code, limit_fields(response), response.text
+
+            async def midway() -> int:
+                await asyncio.sleep(0.7)
+                return leases(server, slots)
+
+            *answers, held = await asyncio.gather(one(), one(), one(), midway())
+            assert held == 2, "the streams hold their slots mid-body"
+            return sorted(answers)
+
+    answers = asyncio.run(three_streams())
+    assert [status for status, _, _ in answers] == [200, 200, 429]
+    assert answers[0][2].splitlines() == [f"row {n}" for n in range(5)]
+    assert without_request_id(answers[2][2]) == (
+        '{"error":"Too many concurrent requests for this API key",'
+        '"code":"too_many_concurrent","retry_after":1}'
+    )
+    assert "retry-after=1" in answers[2][1]
+    until = time.monotonic() + 1
+    while leases(server, slots) != 0:
+        assert time.monotonic() < until, "slots still held after the streams ended"
+        time.sleep(0.02)
+    # The refused request cost no tokens: two of 100 spent.
+    assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~s") == 98
+
+    # A client that goes away mid-stream frees its slot within a second.
+    with httpx.Client(timeout=10) as client:
+        with client.stream("GET", gateway.url("key=acme~s&work_ms=10000&chunks=10")) as response:
+            assert response.status_code == 200
+            pieces = response.iter_raw()  # (a dropped iterator closes the response)
+            next(pieces)
+            assert leases(server, slots) == 1
+        gone = time.monotonic()
+    while leases(server, slots) != 0:
+        assert time.monotonic() - gone < 1, "the slot outlived its client"
+        time.sleep(0.02)
+
+
+def test_an_unavailable_redis_answers_503_under_raise(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    server = start_server()
+    gateway = start_gateway(server, "--key-limit", "100/3600")
+    assert get(gateway.url("key=acme~u"))[0] == 200
+    server.kill()
+    status, fields, body = get(gateway.url("key=acme~u"))
+    assert status == 503
+    assert fields == ["retry-after=5"]
+    assert without_request_id(body) == (
+        '{"error":"Rate limiting is unavailable","code":"limiter_unavailable","retry_after":5}'
+    )
+
+
+def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) -> None:
+    from flask import Flask, Response, request
+
+    from qag_client import Limiter, Quota
+    from qag_client.wsgi import KeyLimits, RateLimitWSGI, query_parameter
+
+    server = start_server()
+    app = Flask(__name__)
+
+    @app.get("/v1/query")
+    def query() -> Response:
+        admitted = request.environ["qag"]
+        admitted.rows.add(10)
+
+        def rows() -> Iterator[bytes]:
+            for n in range(3):
+                admitted.rows.add(1)  # reported while streaming: added at the end
+                yield f"row {n}\n".encode()
+
+        return Response(rows(), mimetype="text/plain")
+
+    limiter = Limiter(server.client())
+    app.wsgi_app = RateLimitWSGI(  # type: ignore[method-assign]
+        app.wsgi_app,
+        limiter,
+        client_bucket=(3, 3600),
+        api_key=query_parameter("key"),
+        key_limits=KeyLimits(bucket=(100, 3600), max_concurrent=1, quota=Quota("day", calls=10)),
+        draft_headers=False,
+    )
+    client = app.test_client()
+    address = {"REMOTE_ADDR": "203.0.113.9"}
+    first = client.get("/v1/query?key=acme~w", environ_base=address, buffered=True)
+    assert first.status_code == 200 and first.data == b"row 0\nrow 1\nrow 2\n"
+    assert limit_fields(first) == [
+        "x-ratelimit-limit=3",
+        "x-ratelimit-remaining=2",
+        "x-ratelimit-key-limit=100",
+        "x-ratelimit-key-remaining=99",
+        "x-quota-remaining-calls=9",
+    ]
+    assert "ratelimit-policy" not in first.headers
+    raw = server.client()
+    assert raw.hget("qag:quota:acme~w", "rows") == b"13"
+    # A response not yet read holds the slot until it is closed.
+    held = client.get("/v1/query?key=acme~w", environ_base=address, buffered=False)
+    assert held.status_code == 200 and leases(server, "qag:running:acme~w") == 1
+    refused = client.get("/v1/query?key=acme~w", environ_base=address, buffered=True)
+    assert refused.status_code == 429
+    assert limit_fields(refused) == [
+        "x-ratelimit-limit=3",
+        "x-ratelimit-remaining=1",
+        "x-ratelimit-key-limit=100",
+        "x-ratelimit-key-remaining=98",
+        "x-quota-remaining-calls=8",
+        "retry-after=1",
+    ]
+    assert refused.json is not None and refused.json["code"] == "too_many_concurrent"
+    held.close()
+    assert leases(server, "qag:running:acme~w") == 0
+    assert bucket_tokens(server, "qag:ratelimit:client:3/3600:203.0.113.9") == 1
+    limiter.close()
