@@ -53,7 +53,7 @@ fn throttle_call(
         let mut digits = [0u8; 20];
         let len = {
             let mut out = &mut digits[..];
-            // Twenty digits hold any i64 that is not negative, as a TAT never is.
+            // Twenty digits hold any u64.
             let _ = write!(out, "{tat}");
             20 - out.len()
         };
