@@ -29,10 +29,15 @@ impl<'ctx> Slots<'ctx> {
         })
     }
 
-    /// The leases whose expiry has passed.
+    /// The leases that hold no slot: those whose expiry has passed, and those expiring
+    /// later than any lease given now could (see `lease::is_live`).
     fn expired(&self) -> Vec<OwnedString> {
-        self.key
-            .zset_range(f64::NEG_INFINITY, self.now_millis as f64)
+        let mut expired = self
+            .key
+            .zset_range(f64::NEG_INFINITY, false, self.now_millis as f64);
+        let latest = lease::latest_expiry(self.now_millis) as f64;
+        expired.extend(self.key.zset_range(latest, true, f64::INFINITY));
+        expired
     }
 
     fn holds_live_lease(&self, id: RawString) -> bool {

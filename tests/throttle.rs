@@ -180,7 +180,12 @@ fn cell_module(test: &str) -> Option<String> {
 
 fn limiters(cell: &str) -> (Limiter, Limiter) {
     let qag = Limiter {
-        server: Server::start(&ServerOptions::default()),
+        // Every stored TAT trusted, as redis-cell does (the default skew reads one far
+        // ahead as missing: see the_skew_is_a_load_argument).
+        server: Server::start(&ServerOptions {
+            module_args: vec!["THROTTLE-SKEW".into(), i64::MAX.to_string()],
+            ..Default::default()
+        }),
         command: "QAG.THROTTLE",
         rounding: Rounding::AsSecondsF64UpFromAMillisecond,
         peek_writes: false,
@@ -427,6 +432,134 @@ fn the_edges_give_redis_cell_0_5_0s_replies() {
     }
     let slow: u128 = qag.raw_value("slow").unwrap().parse().unwrap();
     assert!(slow > 1 << 63, "written past 2^63: {slow}");
+}
+
+fn throttle(con: &mut Connection, key: &str, args: [i64; 4]) -> [i64; 5] {
+    let reply: Vec<i64> = cmd("QAG.THROTTLE").arg(key).arg(&args).query(con).unwrap();
+    reply.try_into().unwrap()
+}
+
+fn set_tat(con: &mut Connection, key: &str, tat: i128) {
+    let _: () = cmd("SET").arg(key).arg(tat.to_string()).query(con).unwrap();
+}
+
+const YEAR: i128 = 365 * 86_400 * NANOS;
+
+#[test]
+fn a_tat_beyond_the_burst_window_and_the_skew_reads_as_a_missing_key() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let (far, peek, near) = (t.key("far"), t.key("far-peek"), t.key("near"));
+    let now = i128::from(server_micros(&mut con)) * 1000;
+    // Years ahead (a clock stepped far forward, a stray write): refused for years
+    // before; now the limiter starts afresh. Burst 5, one a second.
+    set_tat(&mut con, &far, now + 6 * YEAR);
+    assert_eq!(throttle(&mut con, &far, [4, 1, 1, 1]), [0, 5, 4, -1, 1]);
+    let written = stored(&mut con, &far).unwrap();
+    assert!(written <= i128::from(server_micros(&mut con)) * 1000 + NANOS);
+    // A peek reads it as missing too, and writes nothing.
+    set_tat(&mut con, &peek, now + 6 * YEAR);
+    assert_eq!(throttle(&mut con, &peek, [4, 1, 1, 0]), [0, 5, 5, -1, 0]);
+    assert_eq!(stored(&mut con, &peek), Some(now + 6 * YEAR));
+    // Ahead of the burst window (5 s) by 30 s, within the default skew of 60 s (a
+    // clock stepped back a little): kept, so the step mints no credit.
+    set_tat(&mut con, &near, now + 35 * NANOS);
+    assert_eq!(throttle(&mut con, &near, [4, 1, 1, 1]), [1, 5, 0, 31, 35]);
+    t.assert_healthy();
+}
+
+/// Starts a server that loads the module with `module_args`, expecting it to refuse;
+/// returns the server's log.
+fn refused_load(module_args: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!(
+        "qag-load-{}-{}",
+        std::process::id(),
+        module_args.join("_")
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("server.log");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+        .to_string();
+    let status =
+        std::process::Command::new(std::env::var("REDIS_SERVER").unwrap_or("redis-server".into()))
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--loadmodule",
+            ])
+            .arg(module_path())
+            .args(module_args)
+            .arg("--logfile")
+            .arg(&log)
+            .status()
+            .unwrap();
+    assert!(
+        !status.success(),
+        "{module_args:?}: the server refused to start"
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+    text
+}
+
+#[test]
+fn the_skew_is_a_load_argument() {
+    if external("the_skew_is_a_load_argument") {
+        return;
+    }
+    let skew = |seconds: &str| {
+        Server::start(&ServerOptions {
+            module_args: vec!["THROTTLE-SKEW".into(), seconds.into()],
+            ..Default::default()
+        })
+    };
+    // No skew: a TAT ahead of the burst window at all reads as missing.
+    let none = skew("0");
+    let mut con = none.client().get_connection().unwrap();
+    let now = i128::from(server_micros(&mut con)) * 1000;
+    set_tat(&mut con, "near", now + 35 * NANOS);
+    assert_eq!(throttle(&mut con, "near", [4, 1, 1, 1]), [0, 5, 4, -1, 1]);
+    set_tat(&mut con, "inside", now + 3 * NANOS);
+    assert_eq!(throttle(&mut con, "inside", [4, 1, 1, 1])[..3], [0, 5, 1]);
+    assert!(none.log().contains("THROTTLE-SKEW 0 s"), "{}", none.log());
+    // The largest: every TAT is trusted, as redis-cell trusts it.
+    let all = skew("9223372036854775807");
+    let mut con = all.client().get_connection().unwrap();
+    set_tat(&mut con, "big", 1 << 63);
+    assert_eq!(throttle(&mut con, "big", [1, 1, 1, 1])[..3], [1, 2, 0]);
+    // Anything else refuses to load, and says why.
+    for (args, message) in [
+        (
+            &["THROTTLE-SKEW"][..],
+            "THROTTLE-SKEW needs a number of seconds",
+        ),
+        (
+            &["THROTTLE-SKEW", "-1"],
+            "THROTTLE-SKEW must be an integer from 0 to 9223372036854775807",
+        ),
+        (
+            &["THROTTLE-SKEW", "1m"],
+            "THROTTLE-SKEW must be an integer from 0 to 9223372036854775807",
+        ),
+        (
+            &["THROTTLE-SKEW", "1", "THROTTLE-SKEW", "2"],
+            "THROTTLE-SKEW given more than once",
+        ),
+        (
+            &["THROTTLE-SKWE", "1"],
+            "syntax error: expected CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds",
+        ),
+    ] {
+        let log = refused_load(args);
+        assert!(log.contains(message), "{args:?}: {log}");
+    }
 }
 
 #[test]

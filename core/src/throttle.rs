@@ -122,10 +122,19 @@ pub fn emission_interval(count: i64, period: i64) -> Result<i64, ThrottleError> 
 
 /// Throttles at `now` (nanoseconds since the Unix epoch) a limiter whose stored TAT is
 /// `stored` (None when the key is missing).
+///
+/// A stored TAT is trusted up to `skew` nanoseconds beyond the limiter's own reach,
+/// `now + tolerance` (no call of this limiter writes a later one by this clock): a TAT
+/// ahead by that little, as after a failover to a primary whose clock is behind, is
+/// kept, so the step back mints no credit. A later one (a clock stepped far forward, a
+/// stray write) is read as a missing key, so it never locks the limiter longer than its
+/// burst window plus the skew. redis-cell trusts every TAT; a skew past the u64 range
+/// (e.g. `skew_nanos(i64::MAX)`) does the same.
 pub fn throttle(
     args: &ThrottleArgs,
     stored: Option<u64>,
     now: i64,
+    skew: i128,
 ) -> Result<Throttle, ThrottleError> {
     let overflow = ThrottleError::Overflow;
     let interval = emission_interval(args.count, args.period)?;
@@ -134,7 +143,10 @@ pub fn throttle(
     let tolerance = i128::from(interval.checked_mul(limit).ok_or(overflow)?);
     let increment = i128::from(interval.checked_mul(args.quantity).ok_or(overflow)?);
     let (interval, now) = (i128::from(interval), i128::from(now));
-    let tat = stored.map_or(now, i128::from);
+    let tat = match stored.map(i128::from) {
+        Some(tat) if tat - now <= tolerance + skew => tat,
+        _ => now,
+    };
     let new_tat = now.max(tat) + increment;
     let allow_at = new_tat - tolerance;
     let (limited, retry_after_nanos, ttl, write) = if now < allow_at {
@@ -178,6 +190,11 @@ pub fn expire_at_millis(tat: u64) -> i64 {
     (tat / 1_000_000) as i64
 }
 
+/// A skew of whole seconds, THROTTLE-SKEW's, in nanoseconds.
+pub fn skew_nanos(seconds: i64) -> i128 {
+    i128::from(seconds) * NANOS_PER_SECOND
+}
+
 /// A stored TAT as redis-cell reads it: Rust's `u64` from a string (ASCII digits, an
 /// optional leading `+`, leading zeros allowed, at most 2^64 − 1); None for anything
 /// else, which redis-cell would abort the server on.
@@ -193,6 +210,8 @@ mod tests {
     const NANOS: i64 = 1_000_000_000;
     const START: i64 = 1_764_441_000 * NANOS;
     const MS: i64 = 1_000_000;
+    /// Every stored TAT trusted, as redis-cell does.
+    const TRUST_ALL: i128 = i128::MAX / 4;
 
     fn args(max_burst: i64, count: i64, period: i64, quantity: i64) -> ThrottleArgs {
         ThrottleArgs {
@@ -233,7 +252,13 @@ mod tests {
         for (i, (offset, quantity, limited, remaining, reset, retry)) in
             cases.into_iter().enumerate()
         {
-            let t = throttle(&args(4, 1, 1, quantity), stored, START + offset * MS).unwrap();
+            let t = throttle(
+                &args(4, 1, 1, quantity),
+                stored,
+                START + offset * MS,
+                TRUST_ALL,
+            )
+            .unwrap();
             assert_eq!(
                 (
                     t.limited,
@@ -257,12 +282,12 @@ mod tests {
 
     #[test]
     fn a_peek_writes_nothing_and_a_refusal_writes_nothing() {
-        let t = throttle(&args(2, 1, 1, 0), None, START).unwrap();
+        let t = throttle(&args(2, 1, 1, 0), None, START, TRUST_ALL).unwrap();
         assert_eq!((t.limited, t.remaining, t.write), (false, 3, None));
-        let t = throttle(&args(0, 1, 10, 1), at(START + 10 * NANOS), START).unwrap();
+        let t = throttle(&args(0, 1, 10, 1), at(START + 10 * NANOS), START, TRUST_ALL).unwrap();
         assert_eq!((t.limited, t.write), (true, None));
         assert_eq!(t.as_reply(), [1, 1, 0, 10, 10]);
-        let t = throttle(&args(0, 1, 10, 1), None, START).unwrap();
+        let t = throttle(&args(0, 1, 10, 1), None, START, TRUST_ALL).unwrap();
         assert_eq!(t.write, at(START + 10 * NANOS));
         assert_eq!(t.as_reply(), [0, 1, 0, -1, 10]);
     }
@@ -289,9 +314,9 @@ mod tests {
         // The cases of the issue: 3 × trunc(10^18 / 15) ns, 3 × trunc(10^17 / 3) ns.
         assert_eq!(reply_seconds(199_999_999_999_999_992), 200_000_001);
         assert_eq!(reply_seconds(99_999_999_999_999_996), 100_000_001);
-        let t = throttle(&args(5, 15, 1_000_000_000, 3), None, START).unwrap();
+        let t = throttle(&args(5, 15, 1_000_000_000, 3), None, START, TRUST_ALL).unwrap();
         assert_eq!(t.as_reply(), [0, 6, 3, -1, 200_000_001]);
-        let t = throttle(&args(100, 3, 100_000_000, 3), None, START).unwrap();
+        let t = throttle(&args(100, 3, 100_000_000, 3), None, START, TRUST_ALL).unwrap();
         assert_eq!(t.as_reply(), [0, 101, 98, -1, 100_000_001]);
         // Negative durations stay truncated: -1 s is -1.
         assert_eq!(reply_seconds(-16_777_216_999_999_999), -16_777_217);
@@ -324,27 +349,39 @@ mod tests {
 
     #[test]
     fn periods_beyond_9223372036_seconds_are_computed() {
-        let t = throttle(&args(1, 10_000_000_000, 10_000_000_000, 1), None, START).unwrap();
+        let t = throttle(
+            &args(1, 10_000_000_000, 10_000_000_000, 1),
+            None,
+            START,
+            TRUST_ALL,
+        )
+        .unwrap();
         assert_eq!(t.as_reply(), [0, 2, 1, -1, 1]);
         // One per 10^10 s: an interval of i64::MAX ns, written past 2^63.
-        let t = throttle(&args(0, 1, 10_000_000_000, 1), None, START).unwrap();
+        let t = throttle(&args(0, 1, 10_000_000_000, 1), None, START, TRUST_ALL).unwrap();
         assert_eq!(t.as_reply(), [0, 1, 0, -1, 9_223_372_037]);
         let tat = t.write.unwrap();
         assert_eq!(u128::from(tat), START as u128 + i64::MAX as u128);
         assert_eq!(expire_at_millis(tat), (tat / 1_000_000) as i64);
         // Read back: refused, the whole interval to wait.
-        let t = throttle(&args(0, 1, 10_000_000_000, 1), Some(tat), START).unwrap();
+        let t = throttle(&args(0, 1, 10_000_000_000, 1), Some(tat), START, TRUST_ALL).unwrap();
         assert_eq!(t.as_reply(), [1, 1, 0, 9_223_372_037, 9_223_372_037]);
     }
 
     #[test]
     fn overflows_are_errors() {
         let huge = args(i64::MAX - 1, 1, 1, 1);
-        assert_eq!(throttle(&huge, None, START), Err(ThrottleError::Overflow));
+        assert_eq!(
+            throttle(&huge, None, START, TRUST_ALL),
+            Err(ThrottleError::Overflow)
+        );
         let much = args(0, 1, 1, i64::MAX);
-        assert_eq!(throttle(&much, None, START), Err(ThrottleError::Overflow));
+        assert_eq!(
+            throttle(&much, None, START, TRUST_ALL),
+            Err(ThrottleError::Overflow)
+        );
         // A TAT at the end of the u64 range is read, and refuses.
-        let t = throttle(&args(0, 1, 1, 1), Some(u64::MAX), START).unwrap();
+        let t = throttle(&args(0, 1, 1, 1), Some(u64::MAX), START, TRUST_ALL).unwrap();
         assert!(t.limited);
         assert_eq!(
             t.reset_after_nanos,
@@ -358,16 +395,47 @@ mod tests {
         // 0.5.0 computes them (its run at another clock: [0 9000000001 1572718964 -1
         // 7427281037]).
         let tat = 1u64 << 63;
-        let t = throttle(&args(9_000_000_000, 1, 1, 0), Some(tat), START).unwrap();
+        let t = throttle(&args(9_000_000_000, 1, 1, 0), Some(tat), START, TRUST_ALL).unwrap();
         assert_eq!(
             t.as_reply(),
             [0, 9_000_000_001, 1_541_068_964, -1, 7_458_931_037]
         );
-        let t = throttle(&args(1, 1, 1, 1), Some(tat), START).unwrap();
+        let t = throttle(&args(1, 1, 1, 1), Some(tat), START, TRUST_ALL).unwrap();
         assert_eq!(t.as_reply(), [1, 2, 0, 7_458_931_036, 7_458_931_037]);
         // Taken from: the new TAT is past 2^63 too.
-        let t = throttle(&args(9_000_000_000, 1, 1, 1), Some(tat), START).unwrap();
+        let t = throttle(&args(9_000_000_000, 1, 1, 1), Some(tat), START, TRUST_ALL).unwrap();
         assert_eq!(t.write, Some(tat + 1_000_000_000));
+    }
+
+    #[test]
+    fn a_tat_is_trusted_up_to_the_skew_beyond_the_burst_window() {
+        let skew = skew_nanos(60);
+        // Burst 5, one a second: a burst window of 5 s.
+        let a = args(4, 1, 1, 1);
+        let edge = START + 5 * NANOS + 60 * NANOS;
+        let t = throttle(&a, at(edge), START, skew).unwrap();
+        assert_eq!(t.as_reply(), [1, 5, 0, 61, 65], "kept: no credit minted");
+        // A nanosecond further: read as a missing key, a fresh limiter.
+        let t = throttle(&a, at(edge + 1), START, skew).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        assert_eq!(t.write, at(START + NANOS));
+        let peek = throttle(&args(4, 1, 1, 0), at(edge + 1), START, skew).unwrap();
+        assert_eq!((peek.as_reply(), peek.write), ([0, 5, 5, -1, 0], None));
+        // Years ahead, or at the end of the u64 range: the same.
+        for far in [START + 6 * 365 * 86_400 * NANOS, i64::MAX] {
+            let t = throttle(&a, at(far), START, skew).unwrap();
+            assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        }
+        let t = throttle(&a, Some(u64::MAX), START, skew).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        // No skew: the burst window only.
+        let t = throttle(&a, at(START + 5 * NANOS), START, 0).unwrap();
+        assert_eq!(t.as_reply(), [1, 5, 0, 1, 5]);
+        let t = throttle(&a, at(START + 5 * NANOS + 1), START, 0).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        // A TAT behind the clock is no matter of trust: the clock's.
+        let t = throttle(&a, at(START - 100 * NANOS), START, 0).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
     }
 
     #[test]
@@ -376,15 +444,21 @@ mod tests {
         // intervals in whole microseconds (666,666 / 333,333), one in nanoseconds.
         let a = args(2, 3, 1, 1);
         let tat = START + 3 * 333_333_333 - 666_666_665 - 333_333_333;
-        let t = throttle(&a, at(tat), START).unwrap();
+        let t = throttle(&a, at(tat), START, TRUST_ALL).unwrap();
         assert!(!t.limited);
         assert_eq!(t.remaining, 2);
         // An interval under a microsecond divides by zero: an infinite quotient
         // saturates, an undefined one (under a microsecond of room) casts to 0.
         let fast = args(1000, 500_000_000, 1, 1);
-        assert_eq!(throttle(&fast, None, START).unwrap().remaining, i64::MAX);
+        assert_eq!(
+            throttle(&fast, None, START, TRUST_ALL).unwrap().remaining,
+            i64::MAX
+        );
         let fast = args(10, 500_000_000, 1, 1);
-        assert_eq!(throttle(&fast, None, START).unwrap().remaining, 0);
+        assert_eq!(
+            throttle(&fast, None, START, TRUST_ALL).unwrap().remaining,
+            0
+        );
     }
 
     #[test]
@@ -510,7 +584,7 @@ mod tests {
                     stored = None;
                 }
                 let a = args(max_burst, count, period, quantity);
-                let t = throttle(&a, stored, now).unwrap();
+                let t = throttle(&a, stored, now, TRUST_ALL).unwrap();
                 // Within the TAT's own millisecond a little more than the burst may
                 // show, as in redis-cell.
                 prop_assert!(t.remaining >= 0 && t.remaining <= max_burst + 1 + MS / interval);
@@ -523,6 +597,24 @@ mod tests {
             prop_assert!(taken <= max_burst + 1 + refilled + 1, "{} > {} + {}", taken, max_burst + 1, refilled);
         }
 
+        /// Whatever is stored, a limiter is back to its full burst within its burst
+        /// window plus the skew.
+        #[test]
+        fn never_locked_past_the_burst_window_and_the_skew(
+            max_burst in 0i64..1000,
+            count in 1i64..1000,
+            period in 1i64..100_000,
+            quantity in 0i64..1000,
+            stored in proptest::option::of(any::<u64>()),
+            skew_seconds in 0i64..100_000,
+        ) {
+            let a = args(max_burst, count, period, quantity);
+            let skew = skew_nanos(skew_seconds);
+            let t = throttle(&a, stored, START, skew).unwrap();
+            let tolerance = i128::from(emission_interval(count, period).unwrap()) * i128::from(max_burst + 1);
+            prop_assert!(t.reset_after_nanos <= tolerance + skew, "{:?}", t);
+        }
+
         #[test]
         fn any_input_is_an_answer_or_an_error(
             max_burst in 0i64..i64::MAX,
@@ -532,7 +624,7 @@ mod tests {
             stored in proptest::option::of(any::<u64>()),
             now in 0i64..i64::MAX,
         ) {
-            if let Ok(t) = throttle(&args(max_burst, count, period, quantity), stored, now) {
+            if let Ok(t) = throttle(&args(max_burst, count, period, quantity), stored, now, TRUST_ALL) {
                 // What is written is never behind the clock, nor past what it reads.
                 if let Some(tat) = t.write {
                     prop_assert!(i128::from(tat) >= i128::from(now));
