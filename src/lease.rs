@@ -46,9 +46,12 @@ impl<'ctx> Slots<'ctx> {
             .is_some_and(|expiry| lease::is_live(expiry, self.now_millis))
     }
 
-    /// Gives `id` a lease until now + `ttl_millis`.
+    /// Gives `id` a lease until now + `ttl_millis`, unless it has that one already.
     fn put(&mut self, id: RawString, ttl_millis: i64) {
-        self.key.zset_add(id, self.now_millis + ttl_millis);
+        let expiry = self.now_millis + ttl_millis;
+        if lease::moves(self.key.zset_score(id), expiry) {
+            self.key.zset_add(id, expiry);
+        }
     }
 
     /// Makes the key expire with its latest lease, so that an idle key vanishes; a key

@@ -105,6 +105,9 @@ impl Scope {
     /// never will by this clock) and moves its expiry to the next window's end (see
     /// `Clock::expiry_after_write`).
     fn write(&self, ctx: &Ctx, key: &mut Key, fields: &Fields, counter: Kind, value: i64) {
+        if !self.counters.changes(counter, value) {
+            return;
+        }
         let (field, had) = match counter {
             Kind::Requests => (&fields.requests, self.has_requests),
             Kind::Tokens => (&fields.tokens, self.has_tokens),

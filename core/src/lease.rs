@@ -19,6 +19,13 @@ pub fn is_live(expiry_millis: f64, now_millis: i64) -> bool {
     expiry_millis > now_millis as f64 && expiry_millis <= latest_expiry(now_millis) as f64
 }
 
+/// Whether giving a lease the expiry `expiry_millis` changes its score `score` (None:
+/// not there): a renewal to the expiry it has (twice within a millisecond) writes
+/// nothing, nor replicates or signals.
+pub fn moves(score: Option<f64>, expiry_millis: i64) -> bool {
+    score != Some(expiry_millis as f64)
+}
+
 /// The latest expiry a lease given at `now_millis` can have: now + 7 days.
 pub fn latest_expiry(now_millis: i64) -> i64 {
     now_millis.saturating_add(MAX_TTL_MILLIS)
@@ -142,6 +149,13 @@ mod tests {
         assert!(!is_live(f64::INFINITY, 1000));
         assert!(!is_live(f64::NAN, 1000));
         assert_eq!(latest_expiry(i64::MAX), i64::MAX);
+    }
+
+    #[test]
+    fn a_renewal_to_the_same_expiry_moves_nothing() {
+        assert!(moves(None, 1000));
+        assert!(moves(Some(999.0), 1000));
+        assert!(!moves(Some(1000.0), 1000));
     }
 
     #[test]

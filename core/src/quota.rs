@@ -208,6 +208,14 @@ pub fn seed(usage: Usage, counts: Usage) -> Usage {
     }
 }
 
+/// The usage to write after an ADD or a SEED turned `before` (the period's, zero when
+/// the key holds another period or none) into `after`; None when no count changed (an
+/// ADD of nothing, a SEED at or below the counts): then nothing is written, replicated
+/// or signalled, as a plain command that changes nothing.
+pub fn to_write(before: Usage, after: Usage) -> Option<Usage> {
+    (after != before).then_some(after)
+}
+
 /// The CALLS and ROWS limits of a check; None where not limited.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Limits {
@@ -556,6 +564,21 @@ mod tests {
         );
         let s = seed(Usage { calls: 5, rows: 50 }, Usage { calls: 3, rows: 80 });
         assert_eq!(s, Usage { calls: 5, rows: 80 }, "never lowers a count");
+        let before = Usage { calls: 5, rows: 50 };
+        assert_eq!(to_write(before, s), Some(s));
+        assert_eq!(
+            to_write(before, seed(before, Usage { calls: 5, rows: 1 })),
+            None
+        );
+        assert_eq!(
+            to_write(before, add(before, Usage::default()).unwrap()),
+            None
+        );
+        assert_eq!(
+            to_write(Usage::default(), Usage::default()),
+            None,
+            "zeros on no key"
+        );
     }
 
     fn parse(text: &str) -> Result<QuotaArgs, String> {

@@ -81,6 +81,18 @@ pub struct Counters {
     pub previous_tokens: i64,
 }
 
+impl Counters {
+    /// Whether setting the current counter of `kind` to `value` changes it (a missing
+    /// or unreadable counter reads as 0): a write that changes nothing (a RECORD of no
+    /// tokens) is not made, nor replicated or signalled.
+    pub fn changes(&self, kind: Kind, value: i64) -> bool {
+        match kind {
+            Kind::Requests => value != self.requests,
+            Kind::Tokens => value != self.tokens,
+        }
+    }
+}
+
 /// current + previous × weight.
 pub fn estimate(current: i64, previous: i64, clock: &Clock) -> f64 {
     current as f64 + previous as f64 * clock.previous_weight()
@@ -415,6 +427,20 @@ mod tests {
         ] {
             assert!(!is_stale(other, &c), "{other:?}");
         }
+    }
+
+    #[test]
+    fn a_write_that_changes_no_counter_is_not_made() {
+        let c = Counters {
+            requests: 3,
+            previous_requests: 9,
+            tokens: 0,
+            previous_tokens: 9,
+        };
+        assert!(c.changes(Kind::Requests, 4));
+        assert!(!c.changes(Kind::Requests, 3));
+        assert!(!c.changes(Kind::Tokens, 0), "RECORD 0 on no counter");
+        assert!(c.changes(Kind::Tokens, 1));
     }
 
     #[test]
