@@ -4,9 +4,9 @@
 #   scripts/docker-test.sh build   builds the base images without any registry (Debian 12
 #                                  root file systems made with debootstrap, brought in
 #                                  with docker import) and, from docker/Dockerfile, the
-#                                  images qag:test-redis7, qag:test-redis8 and
-#                                  qag:test-valkey8 (each listens on 6379 inside and
-#                                  loads the module at start)
+#                                  images qag:test-redis7, qag:test-redis8,
+#                                  qag:test-valkey8 and qag:test-valkey9 (each listens
+#                                  on 6379 inside and loads the module at start)
 #   scripts/docker-test.sh suite   builds, then runs the integration tests against a
 #                                  container of each image (published on 127.0.0.1 only)
 #   scripts/docker-test.sh topologies
@@ -32,6 +32,8 @@ if ! command -v docker >/dev/null || ! docker info >/dev/null 2>&1; then
 fi
 
 what=${1:-all}
+# The images built and tested: one per server of scripts/servers.sh.
+images="redis7 redis8 valkey8 valkey9"
 cache=${QAG_DOCKER_CACHE:-$HOME/.cache/qag-docker}
 # Every container, network and volume of this run carries this label, so that it
 # removes its own only (another run on the same machine keeps its).
@@ -111,10 +113,11 @@ build() {
     case $name in
       redis-8.2) server_image qag-base:redis8 qag-base:bookworm "$path" ;;
       valkey-8.1) server_image qag-base:valkey8 qag-base:bookworm "$path" ;;
+      valkey-9.1) server_image qag-base:valkey9 qag-base:bookworm "$path" ;;
     esac
   done < <(scripts/servers.sh)
   local image
-  for image in redis7 redis8 valkey8; do
+  for image in $images; do
     echo "docker-test: building qag:test-$image from docker/Dockerfile"
     docker build -q -f docker/Dockerfile -t "qag:test-$image" --build-arg MODULE_SOURCE=host \
       --build-arg RUST_IMAGE=qag-base:bookworm --build-arg "REDIS_IMAGE=qag-base:$image" . >/dev/null
@@ -133,7 +136,7 @@ build() {
 # The integration tests against a container of each image, its port on 127.0.0.1.
 suite() {
   local image failed=()
-  for image in redis7 redis8 valkey8; do
+  for image in $images; do
     docker run -d --label "$label" --name "qag-test-$image-$$" -p 127.0.0.1::6379 "qag:test-$image" >/dev/null
     local port
     port=$(docker port "qag-test-$image-$$" 6379/tcp | head -1 | sed 's/.*://')
