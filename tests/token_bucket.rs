@@ -243,6 +243,17 @@ fn a_bucket_stored_more_than_a_period_ahead_reads_as_a_full_one() {
         take2(&mut con, (&client, 10, 1.0), (&bucket, 5, 1.0), 1),
         (vec![1, 9, 0], Some(vec![1, 4, 0]))
     );
+    // REFUND too: a missing bucket, full, so nothing is written.
+    let refunded = t.key("refunded");
+    empty_at(&mut con, &refunded, 2_000_000_000.0);
+    let before = snapshot(&mut con, &refunded);
+    let left: i64 = cmd("QAG.REFUND")
+        .arg(&refunded)
+        .arg(&[10, 1, 3])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, 10);
+    assert_eq!(snapshot(&mut con, &refunded), before);
     t.assert_healthy();
 }
 
