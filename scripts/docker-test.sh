@@ -4,11 +4,15 @@
 #   scripts/docker-test.sh build   builds the base images without any registry (Debian 12
 #                                  root file systems made with debootstrap, brought in
 #                                  with docker import) and, from docker/Dockerfile, the
-#                                  images qag:test-redis7, qag:test-redis8 and
-#                                  qag:test-valkey8 (each listens on 6379 inside and
-#                                  loads the module at start)
-#   scripts/docker-test.sh suite   builds, then runs the integration tests against a
-#                                  container of each image (published on 127.0.0.1 only)
+#                                  images qag:test-redis7, qag:test-redis8,
+#                                  qag:test-valkey8 and qag:test-valkey9 (each listens
+#                                  on 6379 inside and loads the module at start)
+#   scripts/docker-test.sh suite   builds, then checks each image's safe defaults (no
+#                                  password: refused from outside the container's
+#                                  loopback; a password or an ACL file: works; the
+#                                  explicit opt-out; not root; healthy) and runs the
+#                                  integration tests against a container of each with a
+#                                  password (published on 127.0.0.1 only)
 #   scripts/docker-test.sh topologies
 #                                  builds, then runs the scenarios across containers on
 #                                  private networks (Sentinel failover, cluster failover,
@@ -32,6 +36,8 @@ if ! command -v docker >/dev/null || ! docker info >/dev/null 2>&1; then
 fi
 
 what=${1:-all}
+# The images built and tested: one per server of scripts/servers.sh.
+images="redis7 redis8 valkey8 valkey9"
 cache=${QAG_DOCKER_CACHE:-$HOME/.cache/qag-docker}
 # Every container, network and volume of this run carries this label, so that it
 # removes its own only (another run on the same machine keeps its).
@@ -111,10 +117,11 @@ build() {
     case $name in
       redis-8.2) server_image qag-base:redis8 qag-base:bookworm "$path" ;;
       valkey-8.1) server_image qag-base:valkey8 qag-base:bookworm "$path" ;;
+      valkey-9.1) server_image qag-base:valkey9 qag-base:bookworm "$path" ;;
     esac
   done < <(scripts/servers.sh)
   local image
-  for image in redis7 redis8 valkey8; do
+  for image in $images; do
     echo "docker-test: building qag:test-$image from docker/Dockerfile"
     docker build -q -f docker/Dockerfile -t "qag:test-$image" --build-arg MODULE_SOURCE=host \
       --build-arg RUST_IMAGE=qag-base:bookworm --build-arg "REDIS_IMAGE=qag-base:$image" . >/dev/null
@@ -130,21 +137,92 @@ build() {
   docker images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep '^qag:test-' | sed 's/^/docker-test: /'
 }
 
-# The integration tests against a container of each image, its port on 127.0.0.1.
+# Starts `name` from `image` with its port 6379 published on 127.0.0.1 and its health
+# checked every second (the image's own check; its interval is 10 s); prints the port.
+run_image() { # name image [docker run options...]
+  local name=$1 image=$2
+  shift 2
+  docker run -d --label "$label" --name "$name" -p 127.0.0.1::6379 --health-interval 1s "$@" "$image" >/dev/null
+  docker port "$name" 6379/tcp | head -1 | sed 's/.*://'
+}
+
+# Waits until the container's health check says healthy.
+wait_healthy() { # name
+  local status=""
+  for _ in $(seq 300); do
+    status=$(docker inspect -f '{{.State.Health.Status}}' "$1")
+    [ "$status" = healthy ] && return 0
+    [ "$(docker inspect -f '{{.State.Running}}' "$1")" = true ] || break
+    sleep 0.1
+  done
+  echo "docker-test: $1 never turned healthy ($status):" >&2
+  docker logs "$1" 2>&1 | tail -5 >&2
+  return 1
+}
+
+# The image's safe defaults, each from the outside as a client would meet them.
+defaults() { # image
+  local image=$1 c port reply uid acl
+  # No password: protected mode; outside the container's loopback (this host, through
+  # the published port) every client is refused; inside (docker exec) it answers.
+  c=qag-test-$image-open-$$
+  port=$(run_image "$c" "qag:test-$image")
+  wait_healthy "$c" || return 1
+  reply=$(redis-cli -p "$port" ping 2>&1)
+  case $reply in
+    *DENIED*) ;;
+    *) echo "docker-test: $image without a password answered from outside: $reply" >&2; return 1 ;;
+  esac
+  reply=$(docker exec "$c" redis-cli ping)
+  [ "$reply" = PONG ] || { echo "docker-test: $image without a password, inside: $reply" >&2; return 1; }
+  uid=$(docker exec "$c" grep '^Uid:' /proc/1/status | awk '{print $2}')
+  [ "$uid" != 0 ] || { echo "docker-test: $image runs its server as root" >&2; return 1; }
+  docker rm -f "$c" >/dev/null
+  # The explicit opt-out: open to whoever reaches the port.
+  c=qag-test-$image-optout-$$
+  port=$(run_image "$c" "qag:test-$image" -e QAG_ALLOW_NO_PASSWORD=yes)
+  wait_healthy "$c" || return 1
+  reply=$(redis-cli -p "$port" QAG.TAKE qag:docker:optout 5 60 | paste -sd ' ')
+  [ "$reply" = "1 4 0" ] || { echo "docker-test: $image with QAG_ALLOW_NO_PASSWORD=yes: $reply" >&2; return 1; }
+  docker rm -f "$c" >/dev/null
+  # A mounted ACL file: its users, and no one else.
+  acl=$(mktemp)
+  printf 'user default off\nuser gateway on >gateway-secret ~qag:* +@all\n' >"$acl"
+  chmod 644 "$acl"
+  c=qag-test-$image-acl-$$
+  port=$(run_image "$c" "qag:test-$image" -v "$acl:/etc/qag/users.acl:ro")
+  wait_healthy "$c" || { rm -f "$acl"; return 1; }
+  reply=$(redis-cli -p "$port" QAG.TAKE qag:docker:acl 5 60 2>&1)
+  case $reply in
+    *NOAUTH*) ;;
+    *) echo "docker-test: $image with an ACL file, no user: $reply" >&2; rm -f "$acl"; return 1 ;;
+  esac
+  reply=$(redis-cli -p "$port" --user gateway --pass gateway-secret --no-auth-warning QAG.TAKE qag:docker:acl 5 60 | paste -sd ' ')
+  rm -f "$acl"
+  [ "$reply" = "1 4 0" ] || { echo "docker-test: $image with an ACL file, its user: $reply" >&2; return 1; }
+  docker rm -f "$c" >/dev/null
+  echo "docker-test: $image: no password: DENIED from outside, PONG inside; opt-out: open; ACL file: its users only; server uid $uid; healthy each time"
+}
+
+# The integration tests against a container of each image, its port on 127.0.0.1, with a
+# password; before them, the image's safe defaults.
 suite() {
   local image failed=()
-  for image in redis7 redis8 valkey8; do
-    docker run -d --label "$label" --name "qag-test-$image-$$" -p 127.0.0.1::6379 "qag:test-$image" >/dev/null
-    local port
-    port=$(docker port "qag-test-$image-$$" 6379/tcp | head -1 | sed 's/.*://')
-    for _ in $(seq 100); do
-      redis-cli -p "$port" ping >/dev/null 2>&1 && break
-      sleep 0.1
-    done
-    echo "== integration tests against qag:test-$image on 127.0.0.1:$port ($(redis-cli -p "$port" info server | grep -E '^(redis|valkey)_version' | tr -d '\r' | paste -sd ' '))"
-    QAG_REDIS_URL="redis://127.0.0.1:$port/" cargo test --no-fail-fast --package qag --tests -- --show-output ||
+  for image in $images; do
+    defaults "$image" || failed+=("$image (safe defaults)")
+    local c=qag-test-$image-$$ port password reply
+    password=qag-$RANDOM$RANDOM$RANDOM
+    port=$(run_image "$c" "qag:test-$image" -e "QAG_PASSWORD=$password")
+    wait_healthy "$c" || { failed+=("$image (health)"); continue; }
+    reply=$(redis-cli -p "$port" ping 2>&1)
+    case $reply in
+      *NOAUTH*) ;;
+      *) echo "docker-test: $image with a password answered without it: $reply" >&2; failed+=("$image (password)") ;;
+    esac
+    echo "== integration tests against qag:test-$image on 127.0.0.1:$port, with a password ($(REDISCLI_AUTH=$password redis-cli -p "$port" info server | grep -E '^(redis|valkey)_version' | tr -d '\r' | paste -sd ' '))"
+    QAG_REDIS_URL="redis://:$password@127.0.0.1:$port/" cargo test --no-fail-fast --package qag --tests -- --show-output ||
       failed+=("$image")
-    docker rm -f "qag-test-$image-$$" >/dev/null
+    docker rm -f "$c" >/dev/null
   done
   if [ ${#failed[@]} -gt 0 ]; then
     echo "docker-test: FAILED against ${failed[*]}" >&2
@@ -161,8 +239,10 @@ results=()
 start() { # name image [server arguments...]
   local name=$1 image=$2
   shift 2
+  # The qag images load the module themselves; on these private networks they are open
+  # on purpose (the explicit opt-out), as the client and Sentinels use no password.
   docker run -d --label "$label" --network "$net" --network-alias "$name" --name "$net-$name" \
-    "$image" "$@" >/dev/null
+    -e QAG_ALLOW_NO_PASSWORD=yes "$image" "$@" >/dev/null
 }
 ip_of() { docker inspect -f "{{(index .NetworkSettings.Networks \"$net\").IPAddress}}" "$net-$1"; }
 cli() { # name [port] -- redis-cli arguments, run inside that container
@@ -200,7 +280,6 @@ client() {
   docker run --label "$label" --network "$net" --name "$net-client-$RANDOM" qag:test-client \
     topology "$@" | grep '^result:'
 }
-module_args=(redis-server --loadmodule /usr/local/lib/redis/modules/libqag.so --protected-mode no)
 
 # Two replicas of `primary` and three Sentinels watching it; sets `sentinels` to their
 # addresses.
@@ -208,7 +287,7 @@ replicas_and_sentinels() { # image
   local image=$1 primary_ip
   primary_ip=$(ip_of primary)
   for replica in replica1 replica2; do
-    start "$replica" "qag:test-$image" "${module_args[@]}" --replicaof "$primary_ip" 6379
+    start "$replica" "qag:test-$image" --replicaof "$primary_ip" 6379
   done
   wait_for "two replicas" 30 sh -c "docker exec $net-primary redis-cli info replication | grep -q connected_slaves:2"
   sentinels=()
@@ -246,7 +325,7 @@ cluster_failover() { # image
   local image=$1 n nodes=()
   new_network "cluster-$image"
   for n in 1 2 3 4 5 6; do
-    start "node$n" "qag:test-$image" "${module_args[@]}" --cluster-enabled yes \
+    start "node$n" "qag:test-$image" --cluster-enabled yes \
       --cluster-node-timeout 2000 --cluster-config-file /tmp/nodes.conf
   done
   for n in 1 2 3 4 5 6; do
@@ -305,7 +384,7 @@ partition() { # image min_replicas
   # A lag of 2 s: replicas acknowledge once a second, so 1 s refuses now and then even
   # with both replicas linked.
   [ "$min" = 0 ] || extra=(--min-replicas-to-write "$min" --min-replicas-max-lag 2)
-  start primary "qag:test-$image" "${module_args[@]}" "${extra[@]}"
+  start primary "qag:test-$image" "${extra[@]}"
   docker network connect --alias primary-side "$side" "$net-primary"
   wait_for "the primary" 20 cli primary ping
   local primary_ip
@@ -347,7 +426,7 @@ aof_restart() { # image
   local volume=$net-data
   docker volume create --label "$label" "$volume" >/dev/null
   docker run -d --label "$label" --network "$net" --network-alias primary --name "$net-primary" \
-    -v "$volume:/data" "qag:test-$image" "${module_args[@]}" --appendonly yes --appendfsync always --dir /data >/dev/null
+    -e QAG_ALLOW_NO_PASSWORD=yes -v "$volume:/data" "qag:test-$image" --appendonly yes --appendfsync always --dir /data >/dev/null
   wait_for "the server" 20 cli primary ping
   local out
   out=$(mktemp)

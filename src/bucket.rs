@@ -41,19 +41,21 @@ impl<'a> Bucket<'a> {
         })
     }
 
-    /// The stored fields; None (a full bucket) when either is missing or unreadable.
-    fn stored(&self) -> Option<State> {
+    /// The stored fields a call at `now` reads: None (a full bucket) when either is
+    /// missing or unreadable, or when `ts` is more than a period ahead (`bucket::trusted`).
+    fn stored(&self, now: f64) -> Option<State> {
         let [tokens, ts] = self.key.hash_get([TOKENS.raw(), TS.raw()]);
-        bucket::parse_state(
+        let stored = bucket::parse_state(
             tokens.as_ref().map(OwnedString::bytes),
             ts.as_ref().map(OwnedString::bytes),
-        )
+        );
+        bucket::trusted(stored, self.limit, now)
     }
 
     /// What taking `cost` would do now, from the stored fields; writes nothing.
     fn take(&self, cost: i64, now_micros: i64) -> Outcome {
         let now = bucket::seconds_from_micros(now_micros);
-        bucket::take(self.limit, cost, self.stored(), now)
+        bucket::take(self.limit, cost, self.stored(now), now)
     }
 
     /// Writes a state and the expiry back; they replicate as HSET and PEXPIREAT, the
@@ -251,12 +253,8 @@ impl Command for Refund {
         let refund = bucket::parse_refund(args)?;
         let mut bucket = Bucket::open(ctx, args, refund.key, refund.limit, Access::ReadWrite)?;
         let now = ctx.now_micros();
-        let outcome = bucket::refund(
-            refund.limit,
-            refund.amount,
-            bucket.stored(),
-            bucket::seconds_from_micros(now),
-        );
+        let seconds = bucket::seconds_from_micros(now);
+        let outcome = bucket::refund(refund.limit, refund.amount, bucket.stored(seconds), seconds);
         if let Some(state) = &outcome.state {
             bucket.write(ctx, state, now);
         }

@@ -318,15 +318,17 @@ impl<'ctx> Key<'ctx> {
         unsafe { raw::RedisModule_ValueLength.unwrap()(self.raw) }
     }
 
-    /// The members scored from `min` to `max` (both included), lowest first.
-    pub fn zset_range(&self, min: f64, max: f64) -> Vec<OwnedString> {
+    /// The members scored from `min` (excluded when `min_excluded`) to `max` (included),
+    /// lowest first.
+    pub fn zset_range(&self, min: f64, min_excluded: bool, max: f64) -> Vec<OwnedString> {
         let mut members = Vec::new();
         if !self.exists {
             return members;
         }
+        let min_excluded = c_int::from(min_excluded);
         // SAFETY: an open sorted set; the range iterator is stopped before returning.
         unsafe {
-            if raw::RedisModule_ZsetFirstInScoreRange.unwrap()(self.raw, min, max, 0, 0)
+            if raw::RedisModule_ZsetFirstInScoreRange.unwrap()(self.raw, min, max, min_excluded, 0)
                 != raw::REDISMODULE_OK as c_int
             {
                 return members;
@@ -378,11 +380,11 @@ impl<'ctx> Key<'ctx> {
         self.move_expiry(current, at_millis);
     }
 
-    /// Moves the key's expiry to `at_millis` unless it already expires later, so that
-    /// counts kept for a later time than the clock's are not dropped early.
-    pub fn expire_no_earlier_than(&mut self, at_millis: i64) {
+    /// Sets the key's expiry to what `decide` makes of the one it has (-1: none); as
+    /// `expire_at`, nothing is written when that is the one it has.
+    pub fn expire_given(&mut self, decide: impl FnOnce(i64) -> i64) {
         let current = self.expiry();
-        self.move_expiry(current, at_millis.max(current));
+        self.move_expiry(current, decide(current));
     }
 
     /// The key's absolute expiry in Unix milliseconds, -1 when it has none.

@@ -29,10 +29,15 @@ impl<'ctx> Slots<'ctx> {
         })
     }
 
-    /// The leases whose expiry has passed.
+    /// The leases that hold no slot: those whose expiry has passed, and those expiring
+    /// later than any lease given now could (see `lease::is_live`).
     fn expired(&self) -> Vec<OwnedString> {
-        self.key
-            .zset_range(f64::NEG_INFINITY, self.now_millis as f64)
+        let mut expired = self
+            .key
+            .zset_range(f64::NEG_INFINITY, false, self.now_millis as f64);
+        let latest = lease::latest_expiry(self.now_millis) as f64;
+        expired.extend(self.key.zset_range(latest, true, f64::INFINITY));
+        expired
     }
 
     fn holds_live_lease(&self, id: RawString) -> bool {
@@ -41,9 +46,12 @@ impl<'ctx> Slots<'ctx> {
             .is_some_and(|expiry| lease::is_live(expiry, self.now_millis))
     }
 
-    /// Gives `id` a lease until now + `ttl_millis`.
+    /// Gives `id` a lease until now + `ttl_millis`, unless it has that one already.
     fn put(&mut self, id: RawString, ttl_millis: i64) {
-        self.key.zset_add(id, self.now_millis + ttl_millis);
+        let expiry = self.now_millis + ttl_millis;
+        if lease::moves(self.key.zset_score(id), expiry) {
+            self.key.zset_add(id, expiry);
+        }
     }
 
     /// Makes the key expire with its latest lease, so that an idle key vanishes; a key

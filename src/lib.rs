@@ -161,9 +161,18 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     key::init();
     bucket::init();
     quota::init();
-    let asked = |word: &[u8]| args.iter().any(|a| a.as_slice().eq_ignore_ascii_case(word));
-    let test_commands = asked(b"TEST-COMMANDS");
-    let cl_throttle = asked(b"CL-THROTTLE");
+    let words: Vec<&[u8]> = args.iter().map(RedisString::as_slice).collect();
+    let options = match qag_core::load::parse_load_args(&words) {
+        Ok(options) => options,
+        Err(e) => {
+            let message = e.to_string();
+            let message = message.strip_prefix("ERR ").unwrap_or(&message);
+            ctx.log_warning(&format!("qag: bad load arguments: {message}; not loaded"));
+            return Status::Err;
+        }
+    };
+    let (test_commands, cl_throttle) = (options.test_commands, options.cl_throttle);
+    throttle::set_skew_seconds(options.throttle_skew_seconds);
     stats::clear();
     let mut features = Features {
         qag_category: add_acl_category(ctx),
@@ -204,7 +213,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         false => "not supported by this server",
     };
     ctx.log_notice(&format!(
-        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, {}, clock {}",
+        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, {}, THROTTLE-SKEW {} s, clock {}",
         VERSION.to_string_lossy(),
         supported(features.command_info, "registered"),
         supported(features.acl_categories, "set"),
@@ -216,6 +225,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
             true => "CL.THROTTLE registered",
             false => "CL.THROTTLE left to redis-cell (load with CL-THROTTLE to take it)",
         },
+        options.throttle_skew_seconds,
         command::clock_name().to_string_lossy(),
     ));
     Status::Ok

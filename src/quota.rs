@@ -50,6 +50,14 @@ impl<'ctx> Quota<'ctx> {
         Ok(Quota { key, period, usage })
     }
 
+    /// Writes `usage` when it changes a count (else nothing), and replies it.
+    fn count(&mut self, ctx: &Ctx, usage: Usage) -> Reply {
+        match quota::to_write(self.usage, usage) {
+            Some(usage) => self.write(ctx, usage),
+            None => Reply::Array([usage.calls, usage.rows, self.period.end].into()),
+        }
+    }
+
     /// Writes the period's usage and the key's expiry, a day after the period ends.
     fn write(&mut self, ctx: &Ctx, usage: Usage) -> Reply {
         let label = OwnedString::new(ctx, self.period.label.as_bytes());
@@ -130,7 +138,7 @@ impl Command for Add {
         let usage = quota::add(quota.usage, call.counts()).ok_or(CommandError::Refused(
             "ERR the count would overflow; nothing was added",
         ))?;
-        Ok(quota.write(ctx, usage))
+        Ok(quota.count(ctx, usage))
     }
 }
 
@@ -153,6 +161,6 @@ impl Command for Seed {
         let call = quota::parse_quota(args)?;
         let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
         let usage = quota::seed(quota.usage, call.counts());
-        Ok(quota.write(ctx, usage))
+        Ok(quota.count(ctx, usage))
     }
 }

@@ -4,12 +4,21 @@
 
 use std::ffi::CStr;
 use std::io::Write;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use qag_core::throttle::{self, ThrottleArgs};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, OwnedString, ValueType};
 use crate::stats::CallCounters;
+
+/// THROTTLE-SKEW, in seconds: set once when the module loads.
+static SKEW_SECONDS: AtomicI64 = AtomicI64::new(qag_core::load::DEFAULT_THROTTLE_SKEW_SECONDS);
+
+/// Sets how far beyond its burst window a stored TAT is trusted; called at load.
+pub fn set_skew_seconds(seconds: i64) {
+    SKEW_SECONDS.store(seconds, Ordering::Relaxed);
+}
 
 static THROTTLE: CallCounters = CallCounters::new();
 static CL_THROTTLE: CallCounters = CallCounters::new();
@@ -44,8 +53,9 @@ fn throttle_call(
         ))?),
     };
     let now = ctx.now_micros().saturating_mul(1000);
-    let outcome =
-        throttle::throttle(&call, stored, now).map_err(|e| CommandError::Refused(e.message()))?;
+    let skew = throttle::skew_nanos(SKEW_SECONDS.load(Ordering::Relaxed));
+    let outcome = throttle::throttle(&call, stored, now, skew)
+        .map_err(|e| CommandError::Refused(e.message()))?;
     if let Some(tat) = outcome.write {
         // Made from its digits, as redis-cell writes it: a short string kept in one
         // allocation with its object, where an integer-encoded one would be re-made as
@@ -53,7 +63,7 @@ fn throttle_call(
         let mut digits = [0u8; 20];
         let len = {
             let mut out = &mut digits[..];
-            // Twenty digits hold any i64 that is not negative, as a TAT never is.
+            // Twenty digits hold any u64.
             let _ = write!(out, "{tat}");
             20 - out.len()
         };

@@ -101,9 +101,13 @@ impl Scope {
         }
     }
 
-    /// Sets one current counter, removes the scope's windows that no longer count and
-    /// moves its expiry to the next window's end.
+    /// Sets one current counter, removes the scope's windows that no longer count (or
+    /// never will by this clock) and moves its expiry to the next window's end (see
+    /// `Clock::expiry_after_write`).
     fn write(&self, ctx: &Ctx, key: &mut Key, fields: &Fields, counter: Kind, value: i64) {
+        if !self.counters.changes(counter, value) {
+            return;
+        }
         let (field, had) = match counter {
             Kind::Requests => (&fields.requests, self.has_requests),
             Kind::Tokens => (&fields.tokens, self.has_tokens),
@@ -116,7 +120,7 @@ impl Scope {
             let stale = key.hash_fields_where(&|name| window::is_stale(name, &fields.clock));
             key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
         }
-        key.expire_no_earlier_than(fields.clock.expire_at_millis());
+        key.expire_given(|current| fields.clock.expiry_after_write(current));
     }
 }
 

@@ -228,3 +228,34 @@ fn racing_holders_never_exceed_max() {
     assert_eq!(int(&mut t.con(), "EXISTS", &[&key]), 0, "empty at the end");
     t.assert_healthy();
 }
+
+#[test]
+fn a_lease_expiring_beyond_the_longest_ttl_holds_no_slot() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("stray");
+    let (s, us): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+    let now_ms = s * 1000 + us / 1000;
+    // A member scored years ahead (a clock stepped far forward, a stray ZADD): no LEASE
+    // gives more than 7 days, so it is no live lease, and the next write removes it.
+    let _: () = cmd("ZADD")
+        .arg(&key)
+        .arg(now_ms + 10 * 365 * 86_400_000)
+        .arg("stray")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(int(&mut con, "QAG.LEASES", &[&key]), 0);
+    assert_eq!(lease(&mut con, &key, 1, 60_000, "a"), [1, 1, 0]);
+    let members: Vec<String> = scores(&mut con, &key).into_iter().map(|(m, _)| m).collect();
+    assert_eq!(members, ["a"]);
+    // Within 7 days it is a lease like any other.
+    let _: () = cmd("ZADD")
+        .arg(&key)
+        .arg(now_ms + 6 * 86_400_000)
+        .arg("long")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(int(&mut con, "QAG.LEASES", &[&key]), 2);
+    assert_eq!(lease(&mut con, &key, 2, 60_000, "b"), [0, 2, 1]);
+    t.assert_healthy();
+}

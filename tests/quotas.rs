@@ -300,3 +300,51 @@ fn a_later_period_stored_than_the_clocks_is_kept_and_counted_into() {
     assert_eq!(expiry, (next_end + 86_400) * 1000);
     t.assert_healthy();
 }
+
+#[test]
+fn a_period_stored_beyond_the_next_starts_afresh() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("far");
+    // Two months ahead (a clock stepped far forward, or a stray write): not a period
+    // the clock can be about to enter. The review's case: a full quota years ahead.
+    let (current, current_end) = month_utc(&mut con, 0);
+    for ahead in ["2030-06".to_string(), month_utc(&mut con, 2).0] {
+        let _: () = cmd("HSET")
+            .arg(&key)
+            .arg("period")
+            .arg(&ahead)
+            .arg("calls")
+            .arg(100_000)
+            .arg("rows")
+            .arg(7)
+            .query(&mut con)
+            .unwrap();
+        let _: () = cmd("PEXPIREAT")
+            .arg(&key)
+            .arg(4_000_000_000_000i64)
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(
+            quota(&mut con, &key, &["CALLS", "100000"]),
+            [Some(1), Some(100_000), None, Some(current_end)],
+            "{ahead}"
+        );
+        assert_eq!(
+            count(&mut con, "QAG.QUOTA.ADD", &key, 1, 10),
+            [1, 10, current_end],
+            "{ahead}"
+        );
+        let stored: Vec<String> = cmd("HMGET")
+            .arg(&key)
+            .arg("period")
+            .arg("calls")
+            .arg("rows")
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(stored, [current.as_str(), "1", "10"]);
+        let expiry: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
+        assert_eq!(expiry, (current_end + 86_400) * 1000, "{ahead}");
+    }
+    t.assert_healthy();
+}

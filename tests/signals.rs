@@ -67,6 +67,19 @@ fn refusals_and_no_ops_leave_watch_alone_and_real_writes_abort_it() {
         &[&slots],
         &["QAG.LEASE", &slots, "1", "1000", "b"]
     ));
+    // RELEASE answering 0 for a lease that ran out removes it (and other expired
+    // ones): a write, as the README says.
+    let ran_out = t.key("ran-out");
+    run(&mut con, &["ZADD", &ran_out, "1000", "x", "2000", "y"]);
+    let release = ["QAG.RELEASE", &ran_out, "x"];
+    assert!(!watch_survives(&t, &[&ran_out], &release));
+    run(&mut con, &["ZADD", &ran_out, "1000", "x", "2000", "y"]);
+    assert_eq!(run(&mut con, &release), Value::Int(0));
+    assert_eq!(
+        run(&mut con, &["EXISTS", &ran_out]),
+        Value::Int(0),
+        "both removed"
+    );
 
     // A refused admission: every scope of the chain, a missing one included.
     let (org, team, key) = (t.key("{w}org"), t.key("{w}team"), t.key("{w}key"));
@@ -114,7 +127,53 @@ fn refusals_and_no_ops_leave_watch_alone_and_real_writes_abort_it() {
     check.extend(per);
     check.extend(["CALLS", "5"]);
     assert!(watch_survives(&t, &[&quota], &check));
-    assert!(!watch_survives(&t, &[&quota], &add("0")));
+    // Writes that change no count: an ADD of nothing, a SEED at or below the counts.
+    let used = t.key("used");
+    let count = |command: &'static str, key: &str, calls: &'static str, rows: &'static str| {
+        let mut words = vec![command.to_string(), key.to_string()];
+        words.extend(per.map(String::from));
+        words.extend(["CALLS", calls, "ROWS", rows].map(String::from));
+        words
+    };
+    let words = |w: &[String]| w.iter().map(String::as_str).collect::<Vec<_>>().join(" ");
+    run(
+        &mut con,
+        &count("QAG.QUOTA.ADD", &used, "5", "50")
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    for no_op in [
+        count("QAG.QUOTA.ADD", &used, "0", "0"),
+        count("QAG.QUOTA.SEED", &used, "3", "50"),
+        count("QAG.QUOTA.SEED", &used, "0", "0"),
+        count("QAG.QUOTA.ADD", &quota, "0", "0"),
+    ] {
+        let action: Vec<&str> = no_op.iter().map(String::as_str).collect();
+        assert!(
+            watch_survives(&t, &[&used, &quota], &action),
+            "{} aborted a WATCH",
+            words(&no_op)
+        );
+    }
+    let action = count("QAG.QUOTA.SEED", &used, "6", "0");
+    let action: Vec<&str> = action.iter().map(String::as_str).collect();
+    assert!(
+        !watch_survives(&t, &[&used], &action),
+        "a SEED above the count writes"
+    );
+    let action = count("QAG.QUOTA.ADD", &used, "0", "1");
+    let action: Vec<&str> = action.iter().map(String::as_str).collect();
+    assert!(!watch_survives(&t, &[&used], &action));
+    // RECORD of no tokens charges nothing, on a scope that has counts or none.
+    let fresh = t.key("{w}fresh");
+    let record = ["QAG.RECORD", "2", &org, &fresh, "0"];
+    assert!(watch_survives(&t, &[&org, &fresh], &record));
+    assert_eq!(
+        run(&mut con, &["EXISTS", &fresh]),
+        Value::Int(0),
+        "no key made"
+    );
 
     // Buckets: PEEK; TAKE2's key bucket when the client bucket refuses. TAKE writes
     // even when it refuses, as the script does.
@@ -336,6 +395,85 @@ fn keyspace_events_are_those_of_the_replicated_plain_commands() {
         th,
         [&pair("set", "th"), &pair("expire", "th")],
         "one take, one write"
+    );
+    drop((replica, primary));
+}
+
+#[test]
+fn writes_that_change_nothing_replicate_and_fire_nothing() {
+    if external("writes_that_change_nothing_replicate_and_fire_nothing") {
+        return;
+    }
+    let (primary, replica) = primary_and_replica();
+    let mut con = primary.client().get_connection().unwrap();
+    let mut events = subscribe_to_key_events(&primary);
+    let mut sub = events.as_pubsub();
+    sub.psubscribe("__keyevent@0__:*").unwrap();
+    let real = [
+        "QAG.QUOTA.ADD q PER day TZ UTC CALLS 5 ROWS 50",
+        "QAG.RECORD 1 w 7",
+        "QAG.LEASE ls 2 100000 a",
+    ];
+    let no_ops = [
+        "QAG.QUOTA.ADD q PER day TZ UTC CALLS 0 ROWS 0",
+        "QAG.QUOTA.ADD q PER day TZ UTC CALLS 0",
+        "QAG.QUOTA.SEED q PER day TZ UTC CALLS 5 ROWS 10",
+        "QAG.QUOTA.ADD missing PER day TZ UTC CALLS 0 ROWS 0",
+        "QAG.QUOTA.SEED missing PER day TZ UTC CALLS 0",
+        "QAG.RECORD 1 w 0",
+        "QAG.RECORD 2 w missing 0",
+    ];
+    for line in real.iter().chain(&no_ops) {
+        send_line(&mut con, line).unwrap_or_else(|e| panic!("{line}: {e}"));
+    }
+    // A lease renewed to the expiry it has: twice in one transaction, where the server
+    // gives both calls one time (Redis 7.2 and later, Valkey).
+    let info: String = cmd("INFO").arg("qag").query(&mut con).unwrap();
+    let one_time = info.contains("qag_clock:RedisModule_CachedMicroseconds");
+    if one_time {
+        let _: Value = redis::pipe()
+            .atomic()
+            .cmd("QAG.RENEW")
+            .arg(&["ls", "a", "5000"])
+            .cmd("QAG.RENEW")
+            .arg(&["ls", "a", "5000"])
+            .cmd("QAG.LEASE")
+            .arg(&["ls", "2", "5000", "a"])
+            .query(&mut con)
+            .unwrap();
+    }
+    send_line(&mut con, "SET end 1").unwrap();
+    let seen = key_events(&mut sub, "end");
+    let pair = |event: &str, key: &str| (event.to_string(), key.to_string());
+    let mut expected = vec![
+        pair("hset", "q"),
+        pair("expire", "q"),
+        pair("hset", "w"),
+        pair("expire", "w"),
+        pair("zadd", "ls"),
+        pair("expire", "ls"),
+    ];
+    if one_time {
+        expected.extend([pair("zadd", "ls"), pair("expire", "ls")]);
+    }
+    expected.push(pair("set", "end"));
+    assert_eq!(seen, expected, "only the real writes fire");
+    // Replicated: the real writes only, and the replica holds what the primary holds.
+    let mut r = replica.client().get_connection().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while send_line(&mut r, "GET end").unwrap() == Value::Nil {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica never caught up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(command_calls(&mut r, "hset"), 2, "one HSET per real write");
+    assert_eq!(command_calls(&mut r, "zadd"), 1 + i64::from(one_time));
+    assert_eq!(dataset(&mut r), dataset(&mut con));
+    assert_eq!(
+        send_line(&mut con, "EXISTS missing").unwrap(),
+        Value::Int(0)
     );
     drop((replica, primary));
 }

@@ -2,7 +2,9 @@
 //!
 //! redis-cell is built from its crates.io source by `scripts/redis-cell.sh` (0.2.2, the
 //! only version there) and found through QAG_CELL_MODULE; the differential tests say so
-//! and skip without it.
+//! and skip without it. Pointed at a build of redis-cell 0.5.0 (from its repository,
+//! outside this one), they also compare the edges where 0.2.2 computes otherwise or
+//! aborts: they tell the two apart by how one reply rounds.
 
 mod common;
 
@@ -10,7 +12,7 @@ use std::time::Duration;
 
 use common::*;
 
-const NANOS: i64 = 1_000_000_000;
+const NANOS: i128 = 1_000_000_000;
 
 /// One limiter's parameters and a call's quantity.
 #[derive(Clone, Copy, Debug)]
@@ -24,26 +26,29 @@ struct Call {
 /// How a module turns a duration into the reply's seconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Rounding {
-    /// redis-cell 0.5.0 and qag: whole seconds, plus one for a remainder of at least a
+    /// redis-cell 0.5.0 and qag: `as_seconds_f64() as i64` (the seconds and the
+    /// nanoseconds as one double, truncated), plus one for a remainder of at least a
     /// whole millisecond.
-    UpFromAMillisecond,
+    AsSecondsF64UpFromAMillisecond,
     /// redis-cell 0.2.2: whole seconds.
     Truncated,
 }
 
-/// GCRA as redis-cell computes it, written out apart from the module: the reply and the
-/// value written (None: nothing written), for a stored TAT and a clock in nanoseconds.
-/// `peek_writes`: whether a quantity of 0 rewrites the key (redis-cell) or not (qag).
+/// GCRA as redis-cell 0.5.0 computes it, written out apart from the module from its
+/// code (times as whole nanoseconds, exact; the interval and `remaining` in doubles):
+/// the reply and the value written (None: nothing written), for a stored TAT and a
+/// clock in nanoseconds. `peek_writes`: whether a quantity of 0 rewrites the key
+/// (redis-cell) or not (qag).
 fn reference(
     call: Call,
-    stored: Option<i64>,
-    now: i64,
+    stored: Option<i128>,
+    now: i128,
     rounding: Rounding,
     peek_writes: bool,
-) -> ([i64; 5], Option<i64>) {
-    let interval = ((call.period * NANOS) as f64 / call.count as f64) as i64;
-    let tolerance = interval * (call.max_burst + 1);
-    let increment = interval * call.quantity;
+) -> ([i64; 5], Option<i128>) {
+    let interval = i128::from(interval(call));
+    let tolerance = interval * i128::from(call.max_burst + 1);
+    let increment = interval * i128::from(call.quantity);
     let tat = stored.unwrap_or(now);
     let new_tat = if now > tat { now } else { tat } + increment;
     let allow_at = new_tat - tolerance;
@@ -64,9 +69,12 @@ fn reference(
     } else {
         0
     };
-    let seconds = |nanos: i64| match rounding {
-        Rounding::Truncated => nanos / NANOS,
-        Rounding::UpFromAMillisecond => nanos / NANOS + i64::from((nanos % NANOS) / 1_000_000 > 0),
+    let seconds = |nanos: i128| match rounding {
+        Rounding::Truncated => (nanos / NANOS) as i64,
+        Rounding::AsSecondsF64UpFromAMillisecond => {
+            let (whole, below) = ((nanos / NANOS) as i64, (nanos % NANOS) as i64);
+            (whole as f64 + below as f64 / 1e9) as i64 + i64::from(below / 1_000_000 > 0)
+        }
     };
     (
         [
@@ -80,14 +88,20 @@ fn reference(
     )
 }
 
+/// The emission interval: the period's nanoseconds over the count, as doubles.
+fn interval(call: Call) -> i64 {
+    ((i128::from(call.period) * NANOS) as f64 / call.count as f64) as i64
+}
+
 fn server_micros(con: &mut Connection) -> i64 {
     let (s, us): (i64, i64) = cmd("TIME").query(con).unwrap();
     s * 1_000_000 + us
 }
 
-fn stored(con: &mut Connection, key: &str) -> Option<i64> {
+/// The stored TAT, read as redis-cell reads it (a u64, `+5` included).
+fn stored(con: &mut Connection, key: &str) -> Option<i128> {
     let value: Option<String> = cmd("GET").arg(key).query(con).unwrap();
-    value.map(|v| v.parse().unwrap())
+    value.map(|v| v.parse::<u64>().unwrap().into())
 }
 
 /// A server and how its throttle behaves.
@@ -119,9 +133,10 @@ impl Limiter {
         let reply: [i64; 5] = reply.try_into().unwrap();
         // Candidate clocks: every microsecond of the window, and, where a write shows
         // it, the exact nanosecond the module read (new TAT − increment).
-        let interval = ((call.period * NANOS) as f64 / call.count as f64) as i64;
-        let exact = after.map(|tat| tat - interval * call.quantity);
-        let fits = (t0..=t1).map(|us| us * 1000).chain(exact).any(|now| {
+        let increment = i128::from(interval(call)) * i128::from(call.quantity);
+        let exact = after.map(|tat| tat - increment);
+        let window = (t0..=t1).map(|us| i128::from(us) * 1000);
+        let fits = window.chain(exact).any(|now| {
             let (expected, written) = reference(call, before, now, self.rounding, self.peek_writes);
             expected == reply && written.or(before) == after
         });
@@ -165,22 +180,45 @@ fn cell_module(test: &str) -> Option<String> {
 
 fn limiters(cell: &str) -> (Limiter, Limiter) {
     let qag = Limiter {
-        server: Server::start(&ServerOptions::default()),
-        command: "QAG.THROTTLE",
-        rounding: Rounding::UpFromAMillisecond,
-        peek_writes: false,
-    };
-    let redis_cell = Limiter {
+        // Every stored TAT trusted, as redis-cell does (the default skew reads one far
+        // ahead as missing: see the_skew_is_a_load_argument).
         server: Server::start(&ServerOptions {
-            without_module: true,
-            extra: vec!["--loadmodule".into(), cell.into()],
+            module_args: vec!["THROTTLE-SKEW".into(), i64::MAX.to_string()],
             ..Default::default()
         }),
+        command: "QAG.THROTTLE",
+        rounding: Rounding::AsSecondsF64UpFromAMillisecond,
+        peek_writes: false,
+    };
+    let server = Server::start(&ServerOptions {
+        without_module: true,
+        extra: vec!["--loadmodule".into(), cell.into()],
+        ..Default::default()
+    });
+    let redis_cell = Limiter {
+        rounding: cell_rounding(&server),
+        server,
         command: "CL.THROTTLE",
-        rounding: Rounding::Truncated,
         peek_writes: true,
     };
     (qag, redis_cell)
+}
+
+/// How the redis-cell at `server` rounds durations: a fresh limiter of 2 per 3 s is
+/// full again after 1.5 s, which 0.5.0 answers as 2 and 0.2.2 as 1.
+fn cell_rounding(server: &Server) -> Rounding {
+    let mut con = server.client().get_connection().unwrap();
+    let reply: Vec<i64> = cmd("CL.THROTTLE")
+        .arg("qag:probe")
+        .arg(&[0, 2, 3, 1])
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("DEL").arg("qag:probe").query(&mut con).unwrap();
+    match reply[4] {
+        2 => Rounding::AsSecondsF64UpFromAMillisecond,
+        1 => Rounding::Truncated,
+        other => panic!("redis-cell answered a reset of 1.5 s as {other}"),
+    }
 }
 
 fn call(max_burst: i64, count: i64, period: i64, quantity: i64) -> Call {
@@ -272,6 +310,258 @@ fn a_limiter_moved_between_the_modules_continues_where_it_was() {
     assert_eq!(qag.call("other", call(0, 1, 60, 1))[0], 1);
 }
 
+impl Limiter {
+    fn set(&self, key: &str, value: &str) {
+        let mut con = self.server.client().get_connection().unwrap();
+        let _: () = cmd("SET").arg(key).arg(value).query(&mut con).unwrap();
+    }
+
+    fn raw_value(&self, key: &str) -> Option<String> {
+        let mut con = self.server.client().get_connection().unwrap();
+        cmd("GET").arg(key).query(&mut con).unwrap()
+    }
+}
+
+/// A key, the value stored in it first, a call, the exact reply when it does not depend
+/// on the clock's microsecond, and whether redis-cell 0.2.2 computes it as 0.5.0 does.
+type Edge<'a> = (&'a str, Option<&'a str>, Call, Option<[i64; 5]>, bool);
+
+/// The edges where redis-cell 0.5.0's arithmetic shows: durations of 2^24 s and more
+/// (seconds as a double), periods whose nanoseconds pass 2^63, stored TATs with a `+`
+/// or from 2^63 to 2^64 − 1. qag is checked against the reference (0.5.0's code
+/// written out) and, where its answer does not depend on the microsecond, against the
+/// exact reply; redis-cell 0.5.0, when that is the one given, the same way. redis-cell
+/// 0.2.2 computes these otherwise (or aborts), but for the stored `+5`.
+#[test]
+fn the_edges_give_redis_cell_0_5_0s_replies() {
+    let Some(cell) = cell_module("the_edges_give_redis_cell_0_5_0s_replies") else {
+        return;
+    };
+    let (qag, redis_cell) = limiters(&cell);
+    let is_0_5_0 = redis_cell.rounding == Rounding::AsSecondsF64UpFromAMillisecond;
+    if !is_0_5_0 {
+        eprintln!("the_edges_give_redis_cell_0_5_0s_replies: redis-cell 0.2.2 (rounds down): qag alone but for the stored +5");
+    }
+    let two_63 = (1u64 << 63).to_string();
+    let u64_max = u64::MAX.to_string();
+    let cases: [Edge; 11] = [
+        (
+            "f64-a",
+            None,
+            call(5, 15, 1_000_000_000, 3),
+            Some([0, 6, 3, -1, 200_000_001]),
+            false,
+        ),
+        (
+            "f64-b",
+            None,
+            call(100, 3, 100_000_000, 3),
+            Some([0, 101, 98, -1, 100_000_001]),
+            false,
+        ),
+        (
+            "period",
+            None,
+            call(1, 10_000_000_000, 10_000_000_000, 1),
+            Some([0, 2, 1, -1, 1]),
+            false,
+        ),
+        // One per 10^10 s: the interval saturates at 2^63 − 1 ns; written past 2^63.
+        (
+            "slow",
+            None,
+            call(0, 1, 10_000_000_000, 1),
+            Some([0, 1, 0, -1, 9_223_372_037]),
+            false,
+        ),
+        (
+            "slow",
+            None,
+            call(0, 1, 10_000_000_000, 1),
+            Some([1, 1, 0, 9_223_372_037, 9_223_372_037]),
+            false,
+        ),
+        (
+            "plus",
+            Some("+5"),
+            call(1, 1, 1, 1),
+            Some([0, 2, 1, -1, 1]),
+            true,
+        ),
+        ("big", Some(&two_63), call(1, 1, 1, 1), None, false),
+        (
+            "big",
+            Some(&two_63),
+            call(9_000_000_000, 1, 1, 0),
+            None,
+            false,
+        ),
+        (
+            "big",
+            Some(&two_63),
+            call(9_000_000_000, 1, 1, 1),
+            None,
+            false,
+        ),
+        ("max", Some(&u64_max), call(1, 1, 1, 1), None, false),
+        ("max", Some(&u64_max), call(0, 7, 60, 0), None, false),
+    ];
+    for (key, value, c, exact, same_in_0_2_2) in cases {
+        let mut limiters = vec![&qag];
+        if is_0_5_0 || same_in_0_2_2 {
+            limiters.push(&redis_cell);
+        }
+        for limiter in limiters {
+            if let Some(value) = value {
+                limiter.set(key, value);
+            }
+            // Checked against the reference at the call's clock.
+            let reply = limiter.call(key, c);
+            if let Some(exact) = exact {
+                assert_eq!(reply, exact, "{} {key} {c:?}", limiter.command);
+            }
+            // Written as canonical digits, whatever was read.
+            if let Some(written) = limiter.raw_value(key) {
+                assert!(
+                    written.bytes().all(|b| b.is_ascii_digit()),
+                    "{} {key}: {written}",
+                    limiter.command
+                );
+            }
+        }
+    }
+    let slow: u128 = qag.raw_value("slow").unwrap().parse().unwrap();
+    assert!(slow > 1 << 63, "written past 2^63: {slow}");
+}
+
+fn throttle(con: &mut Connection, key: &str, args: [i64; 4]) -> [i64; 5] {
+    let reply: Vec<i64> = cmd("QAG.THROTTLE").arg(key).arg(&args).query(con).unwrap();
+    reply.try_into().unwrap()
+}
+
+fn set_tat(con: &mut Connection, key: &str, tat: i128) {
+    let _: () = cmd("SET").arg(key).arg(tat.to_string()).query(con).unwrap();
+}
+
+const YEAR: i128 = 365 * 86_400 * NANOS;
+
+#[test]
+fn a_tat_beyond_the_burst_window_and_the_skew_reads_as_a_missing_key() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let (far, peek, near) = (t.key("far"), t.key("far-peek"), t.key("near"));
+    let now = i128::from(server_micros(&mut con)) * 1000;
+    // Years ahead (a clock stepped far forward, a stray write): refused for years
+    // before; now the limiter starts afresh. Burst 5, one a second.
+    set_tat(&mut con, &far, now + 6 * YEAR);
+    assert_eq!(throttle(&mut con, &far, [4, 1, 1, 1]), [0, 5, 4, -1, 1]);
+    let written = stored(&mut con, &far).unwrap();
+    assert!(written <= i128::from(server_micros(&mut con)) * 1000 + NANOS);
+    // A peek reads it as missing too, and writes nothing.
+    set_tat(&mut con, &peek, now + 6 * YEAR);
+    assert_eq!(throttle(&mut con, &peek, [4, 1, 1, 0]), [0, 5, 5, -1, 0]);
+    assert_eq!(stored(&mut con, &peek), Some(now + 6 * YEAR));
+    // Ahead of the burst window (5 s) by 30 s, within the default skew of 60 s (a
+    // clock stepped back a little): kept, so the step mints no credit.
+    set_tat(&mut con, &near, now + 35 * NANOS);
+    assert_eq!(throttle(&mut con, &near, [4, 1, 1, 1]), [1, 5, 0, 31, 35]);
+    t.assert_healthy();
+}
+
+/// Starts a server that loads the module with `module_args`, expecting it to refuse;
+/// returns the server's log.
+fn refused_load(module_args: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!(
+        "qag-load-{}-{}",
+        std::process::id(),
+        module_args.join("_")
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("server.log");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+        .to_string();
+    let status =
+        std::process::Command::new(std::env::var("REDIS_SERVER").unwrap_or("redis-server".into()))
+            .args([
+                "--port",
+                &port,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--loadmodule",
+            ])
+            .arg(module_path())
+            .args(module_args)
+            .arg("--logfile")
+            .arg(&log)
+            .status()
+            .unwrap();
+    assert!(
+        !status.success(),
+        "{module_args:?}: the server refused to start"
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+    text
+}
+
+#[test]
+fn the_skew_is_a_load_argument() {
+    if external("the_skew_is_a_load_argument") {
+        return;
+    }
+    let skew = |seconds: &str| {
+        Server::start(&ServerOptions {
+            module_args: vec!["THROTTLE-SKEW".into(), seconds.into()],
+            ..Default::default()
+        })
+    };
+    // No skew: a TAT ahead of the burst window at all reads as missing.
+    let none = skew("0");
+    let mut con = none.client().get_connection().unwrap();
+    let now = i128::from(server_micros(&mut con)) * 1000;
+    set_tat(&mut con, "near", now + 35 * NANOS);
+    assert_eq!(throttle(&mut con, "near", [4, 1, 1, 1]), [0, 5, 4, -1, 1]);
+    set_tat(&mut con, "inside", now + 3 * NANOS);
+    assert_eq!(throttle(&mut con, "inside", [4, 1, 1, 1])[..3], [0, 5, 1]);
+    assert!(none.log().contains("THROTTLE-SKEW 0 s"), "{}", none.log());
+    // The largest: every TAT is trusted, as redis-cell trusts it.
+    let all = skew("9223372036854775807");
+    let mut con = all.client().get_connection().unwrap();
+    set_tat(&mut con, "big", 1 << 63);
+    assert_eq!(throttle(&mut con, "big", [1, 1, 1, 1])[..3], [1, 2, 0]);
+    // Anything else refuses to load, and says why.
+    for (args, message) in [
+        (
+            &["THROTTLE-SKEW"][..],
+            "THROTTLE-SKEW needs a number of seconds",
+        ),
+        (
+            &["THROTTLE-SKEW", "-1"],
+            "THROTTLE-SKEW must be an integer from 0 to 9223372036854775807",
+        ),
+        (
+            &["THROTTLE-SKEW", "1m"],
+            "THROTTLE-SKEW must be an integer from 0 to 9223372036854775807",
+        ),
+        (
+            &["THROTTLE-SKEW", "1", "THROTTLE-SKEW", "2"],
+            "THROTTLE-SKEW given more than once",
+        ),
+        (
+            &["THROTTLE-SKWE", "1"],
+            "syntax error: expected CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds",
+        ),
+    ] {
+        let log = refused_load(args);
+        assert!(log.contains(message), "{args:?}: {log}");
+    }
+}
+
 #[test]
 fn a_peek_writes_nothing() {
     let mut t = Target::new();
@@ -304,7 +594,7 @@ fn a_peek_writes_nothing() {
     // The stored value and expiry are redis-cell's: nanoseconds, expiring at them.
     let tat = stored(&mut con, &key).unwrap();
     let expiry: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
-    assert_eq!(expiry, tat / 1_000_000);
+    assert_eq!(i128::from(expiry), tat / 1_000_000);
     t.assert_healthy();
 }
 
@@ -319,6 +609,7 @@ fn bad_input_and_stored_garbage_are_errors_that_change_nothing() {
         ("decimal", "1.5"),
         ("empty", ""),
         ("huge", "99999999999999999999"),
+        ("beyond", "18446744073709551616"),
         ("spaced", " 123"),
     ];
     for (name, value) in garbage {
@@ -354,8 +645,8 @@ fn bad_input_and_stored_garbage_are_errors_that_change_nothing() {
         .query(&mut con)
         .unwrap();
     let names = [
-        "letters", "negative", "decimal", "empty", "huge", "spaced", "hash", "list", "set", "zset",
-        "stream", "fresh",
+        "letters", "negative", "decimal", "empty", "huge", "beyond", "spaced", "hash", "list",
+        "set", "zset", "stream", "fresh",
     ];
     let snapshot_all = |con: &mut Connection| {
         names
@@ -380,8 +671,9 @@ fn bad_input_and_stored_garbage_are_errors_that_change_nothing() {
         (vec!["1", "x", "1"], "ERR count must be an integer from 1 to 9223372036854775807"),
         (vec!["-1", "1", "1"], "ERR max_burst must be an integer from 0 to 9223372036854775806"),
         (vec!["1", "0", "1"], "ERR count must be an integer from 1 to 9223372036854775807"),
-        (vec!["1", "1", "0"], "ERR period must be an integer from 1 to 9223372036"),
-        (vec!["1", "1", "-5"], "ERR period must be an integer from 1 to 9223372036"),
+        (vec!["1", "1", "0"], "ERR period must be an integer from 1 to 9223372036854775807"),
+        (vec!["1", "1", "-5"], "ERR period must be an integer from 1 to 9223372036854775807"),
+        (vec!["1", "1", "9223372036854775808"], "ERR period must be an integer from 1 to 9223372036854775807"),
         (vec!["1", "1", "1", "-1"], "ERR quantity must be an integer from 0 to 9223372036854775807"),
         (vec!["1", "1", "1", "1", "1"], "ERR wrong number of arguments for 'qag.throttle' command"),
         (vec!["1", "2000000000", "1"], "ERR count per period is faster than one per nanosecond; nothing was written"),

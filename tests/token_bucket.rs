@@ -161,7 +161,8 @@ fn a_bucket_written_with_a_later_ts_than_the_clock() {
     let mut t = Target::new();
     let mut con = t.con();
     let key = t.key("future");
-    let future = server_now(&mut con) + 1000.0;
+    // 100 s ahead, within the bucket's period of an hour: trusted.
+    let future = server_now(&mut con) + 100.0;
     let _: () = cmd("HSET")
         .arg(&key)
         .arg("tokens")
@@ -170,17 +171,17 @@ fn a_bucket_written_with_a_later_ts_than_the_clock() {
         .arg(future.to_string())
         .query(&mut con)
         .unwrap();
-    assert_eq!(take(&mut con, &key, 10, 1.0), [1, 1, 0]);
-    assert_eq!(take(&mut con, &key, 10, 1.0), [1, 0, 0]);
-    // No credit for the time until the stored ts: 10/s would have refilled it. The
-    // retry counts as if refilling from now: the real wait is longer by ts - now.
-    assert_eq!(take(&mut con, &key, 10, 1.0), [0, 0, 1]);
-    // The key lives until the bucket is full by its own time, a second after ts (in
-    // steps of one second for a 1 s period), not a second after now.
+    assert_eq!(take(&mut con, &key, 10, 3600.0), [1, 1, 0]);
+    assert_eq!(take(&mut con, &key, 10, 3600.0), [1, 0, 0]);
+    // No credit for the time until the stored ts. The retry counts as if refilling from
+    // now (a token every 360 s): the real wait is longer by ts - now.
+    assert_eq!(take(&mut con, &key, 10, 3600.0), [0, 0, 360]);
+    // The key lives until the bucket is full by its own time, an hour after ts (in
+    // steps of 225 s), not an hour after now.
     let expiry: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
-    let full = ((future + 1.0) * 1000.0).ceil() as i64;
+    let full = ((future + 3600.0) * 1000.0).ceil() as i64;
     assert!(
-        (full..full + 1000).contains(&expiry),
+        (full..full + 225_000).contains(&expiry),
         "expires at {expiry}, full at {full}"
     );
     assert_eq!(
@@ -188,6 +189,71 @@ fn a_bucket_written_with_a_later_ts_than_the_clock() {
         Some((0.0, future)),
         "ts never moves back"
     );
+    t.assert_healthy();
+}
+
+#[test]
+fn a_bucket_stored_more_than_a_period_ahead_reads_as_a_full_one() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("far");
+    let empty_at = |con: &mut Connection, key: &str, ts: f64| {
+        let _: () = cmd("HSET")
+            .arg(key)
+            .arg("tokens")
+            .arg(0)
+            .arg("ts")
+            .arg(ts.to_string())
+            .query(con)
+            .unwrap();
+    };
+    // Years ahead (the review's case): refused for years before, full now.
+    empty_at(&mut con, &key, 2_000_000_000.0);
+    assert_eq!(
+        cmd("QAG.PEEK")
+            .arg(&key)
+            .arg(10)
+            .arg(1)
+            .query::<Vec<i64>>(&mut con)
+            .unwrap(),
+        [1, 9, 0]
+    );
+    assert_eq!(take(&mut con, &key, 10, 1.0), [1, 9, 0]);
+    let now = server_now(&mut con);
+    let (tokens, ts) = bucket_fields(&mut con, &key).unwrap();
+    assert_eq!(tokens, 9.0);
+    assert!(ts <= now, "ts {ts} written from the clock, now {now}");
+    let pttl: i64 = cmd("PTTL").arg(&key).query(&mut con).unwrap();
+    assert!(
+        (0..=2_000).contains(&pttl),
+        "expires a period from now: {pttl} ms"
+    );
+    // Just past one period (60 s) ahead: fresh; just within it: trusted, no refill.
+    let (beyond, within) = (t.key("beyond"), t.key("within"));
+    let now = server_now(&mut con);
+    empty_at(&mut con, &beyond, now + 61.0);
+    empty_at(&mut con, &within, now + 59.0);
+    assert_eq!(take(&mut con, &beyond, 10, 60.0), [1, 9, 0]);
+    assert_eq!(take(&mut con, &within, 10, 60.0), [0, 0, 6]);
+    // TAKE2 reads its buckets the same way.
+    let (client, bucket) = (t.key("{p}client"), t.key("{p}key"));
+    empty_at(&mut con, &client, 2_000_000_000.0);
+    empty_at(&mut con, &bucket, 2_000_000_000.0);
+    assert_eq!(
+        take2(&mut con, (&client, 10, 1.0), (&bucket, 5, 1.0), 1),
+        (vec![1, 9, 0], Some(vec![1, 4, 0]))
+    );
+    // REFUND too: a missing bucket, full, so nothing is written.
+    let refunded = t.key("refunded");
+    empty_at(&mut con, &refunded, 2_000_000_000.0);
+    let before = snapshot(&mut con, &refunded);
+    let left: i64 = cmd("QAG.REFUND")
+        .arg(&refunded)
+        .arg(&[10, 1, 3])
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(left, 10);
+    assert_eq!(snapshot(&mut con, &refunded), before);
     t.assert_healthy();
 }
 

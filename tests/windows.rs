@@ -237,8 +237,8 @@ fn a_later_windows_counts_keep_their_expiry() {
     let mut con = t.con();
     let key = t.key("ahead");
     let (s, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
-    // Counts of a window five windows ahead of the clock, expiring with it.
-    let later = s / 60 + 5;
+    // Counts of the next window (a clock stepped back within a window), expiring with it.
+    let later = s / 60 + 1;
     let expiry = (later + 2) * 60_000;
     let _: () = cmd("HSET")
         .arg(&key)
@@ -261,5 +261,61 @@ fn a_later_windows_counts_keep_their_expiry() {
         .query(&mut con)
         .unwrap();
     assert_eq!(kept, Some(3));
+    t.assert_healthy();
+}
+
+#[test]
+fn counts_more_than_a_window_ahead_are_dropped_with_their_expiry() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("far");
+    let (s, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+    // Hour windows, so that the clock stays in one for the test. Counts five windows
+    // ahead, and an expiry years ahead: no clock behind by under a window wrote them.
+    let now = s / 3600;
+    let _: () = cmd("HSET")
+        .arg(&key)
+        .arg(format!("req:{}", now + 5))
+        .arg(3)
+        .arg(format!("tok:{}", now + 2))
+        .arg(4)
+        .arg(format!("req:{}", now + 1))
+        .arg(5)
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("PEXPIREAT")
+        .arg(&key)
+        .arg(4_000_000_000_000i64)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(admit(&mut con, &[(&key, 10, 0)], 3600)[0], 1);
+    let mut fields: Vec<String> = cmd("HKEYS").arg(&key).query(&mut con).unwrap();
+    fields.sort();
+    let mut expected = vec![format!("req:{now}"), format!("req:{}", now + 1)];
+    expected.sort();
+    assert_eq!(
+        fields, expected,
+        "the next window's counts kept, later ones dropped"
+    );
+    // An expiry beyond the latest the next window's counts give is brought back to it.
+    let at: i64 = cmd("PEXPIRETIME").arg(&key).query(&mut con).unwrap();
+    assert_eq!(at, (now + 3) * 3_600_000);
+    let other = t.key("far-alone");
+    let _: () = cmd("HSET")
+        .arg(&other)
+        .arg(format!("req:{}", now + 9))
+        .arg(1)
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("PEXPIREAT")
+        .arg(&other)
+        .arg(4_000_000_000_000i64)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(record(&mut con, &[&other], 5, 3600), 1);
+    let at: i64 = cmd("PEXPIRETIME").arg(&other).query(&mut con).unwrap();
+    assert_eq!(at, (now + 3) * 3_600_000);
+    let fields: Vec<String> = cmd("HKEYS").arg(&other).query(&mut con).unwrap();
+    assert_eq!(fields, [format!("tok:{now}")]);
     t.assert_healthy();
 }

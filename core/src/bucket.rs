@@ -123,6 +123,19 @@ pub fn refund(limit: Limit, amount: i64, stored: Option<State>, now: f64) -> Ref
     }
 }
 
+/// The stored state the module takes from: `stored`, unless its `ts` is more than one
+/// period ahead of the clock. A bucket's own calls write the clock's time, or keep a
+/// later one, so a `ts` ahead comes from a clock that was ahead (a failover to a
+/// primary whose clock is behind) or from another writer. Up to a period ahead it is
+/// kept: the bucket refills nothing until the clock reaches it, so a clock stepped back
+/// mints no credit, and is locked for at most that period. Further ahead (a clock
+/// stepped far forward, a stray write) the bucket reads as missing, that is full, which
+/// is what a period's refill gives anyway. The script trusts any `ts` (and recovers
+/// once its key expires, a period after the last call).
+pub fn trusted(stored: Option<State>, limit: Limit, now: f64) -> Option<State> {
+    stored.filter(|state| state.ts <= now + limit.period)
+}
+
 /// Lua 5.1's math.max: the first argument unless a later one compares greater, so a
 /// NaN argument never wins.
 fn lua_max(a: f64, b: f64) -> f64 {
@@ -479,6 +492,46 @@ mod tests {
                 ts: NOW + 100.0
             }
         );
+    }
+
+    #[test]
+    fn a_ts_is_trusted_up_to_one_period_ahead() {
+        let l = limit(10.0, 60.0);
+        let empty_at = |ts: f64| Some(State { tokens: 0.0, ts });
+        for ts in [NOW - 1e9, NOW, NOW + 30.0, NOW + 60.0] {
+            assert_eq!(trusted(empty_at(ts), l, NOW), empty_at(ts), "{ts}");
+        }
+        for ts in [NOW + 60.001, NOW + 1e9, 1e300] {
+            assert_eq!(trusted(empty_at(ts), l, NOW), None, "{ts}");
+        }
+        assert_eq!(trusted(None, l, NOW), None);
+        // Within the period: no refill until ts; beyond it: a full bucket.
+        let t = take(l, 1, trusted(empty_at(NOW + 60.0), l, NOW), NOW);
+        assert_eq!(t.verdict.as_reply(), [0, 0, 6]);
+        let t = take(l, 1, trusted(empty_at(2e9), l, NOW), NOW);
+        assert_eq!(t.verdict.as_reply(), [1, 9, 0]);
+        assert_eq!(t.state.ts, NOW);
+    }
+
+    proptest! {
+        /// Whatever time is stored, the first take writes a `ts` at most a period
+        /// ahead, so two periods later the bucket is full again: it is locked for at
+        /// most a period, then refills.
+        #[test]
+        fn never_locked_past_a_period(
+            count in 1u64..=1000,
+            period in 1e-3f64..1e6,
+            tokens in 0f64..1e3,
+            ahead in 0f64..1e12,
+        ) {
+            let l = Limit { count: count as f64, period };
+            let stored = Some(State { tokens, ts: NOW + ahead });
+            let first = take(l, count as i64, trusted(stored, l, NOW), NOW);
+            prop_assert!(first.state.ts <= NOW + period);
+            let later = NOW + 2.0 * period;
+            let t = take(l, count as i64, trusted(Some(first.state), l, later), later);
+            prop_assert!(t.verdict.allowed, "{:?} then {:?}", first, t);
+        }
     }
 
     #[test]

@@ -9,9 +9,26 @@ pub const MAX_SLOTS: i64 = 1_000_000;
 pub const MAX_TTL_MILLIS: i64 = 7 * 24 * 3600 * 1000;
 pub const MAX_ID_BYTES: usize = 256;
 
-/// Whether a lease expiring at `expiry_millis` still holds its slot at `now_millis`.
+/// Whether a lease expiring at `expiry_millis` still holds its slot at `now_millis`:
+/// it expires after now, and no later than the longest lease given now could
+/// (`latest_expiry`). A later expiry came from a clock far ahead or a stray write, not
+/// from a lease this clock gave; it is no lease, so it locks no slot (a lease given by a
+/// clock a little ahead, a failover to a primary whose clock is behind, still counts
+/// unless it was within that step of the longest).
 pub fn is_live(expiry_millis: f64, now_millis: i64) -> bool {
-    expiry_millis > now_millis as f64
+    expiry_millis > now_millis as f64 && expiry_millis <= latest_expiry(now_millis) as f64
+}
+
+/// Whether giving a lease the expiry `expiry_millis` changes its score `score` (None:
+/// not there): a renewal to the expiry it has (twice within a millisecond) writes
+/// nothing, nor replicates or signals.
+pub fn moves(score: Option<f64>, expiry_millis: i64) -> bool {
+    score != Some(expiry_millis as f64)
+}
+
+/// The latest expiry a lease given at `now_millis` can have: now + 7 days.
+pub fn latest_expiry(now_millis: i64) -> i64 {
+    now_millis.saturating_add(MAX_TTL_MILLIS)
 }
 
 /// What QAG.LEASE does, given the caller's lease and the number of live leases.
@@ -126,6 +143,19 @@ mod tests {
         assert!(is_live(1001.0, 1000));
         assert!(!is_live(1000.0, 1000));
         assert!(!is_live(999.0, 1000));
+        let latest = 1000 + MAX_TTL_MILLIS;
+        assert!(is_live(latest as f64, 1000), "the longest lease");
+        assert!(!is_live(latest as f64 + 1.0, 1000), "no lease given now");
+        assert!(!is_live(f64::INFINITY, 1000));
+        assert!(!is_live(f64::NAN, 1000));
+        assert_eq!(latest_expiry(i64::MAX), i64::MAX);
+    }
+
+    #[test]
+    fn a_renewal_to_the_same_expiry_moves_nothing() {
+        assert!(moves(None, 1000));
+        assert!(moves(Some(999.0), 1000));
+        assert!(!moves(Some(1000.0), 1000));
     }
 
     #[test]

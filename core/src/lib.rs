@@ -7,6 +7,7 @@
 pub mod args;
 pub mod bucket;
 pub mod lease;
+pub mod load;
 pub mod number;
 pub mod quota;
 pub mod throttle;

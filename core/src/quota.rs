@@ -58,11 +58,13 @@ pub fn period(per: Per, zone: &TimeZone, now_micros: i64) -> Option<Period> {
     period_of_day(per, zone, now.date())
 }
 
-/// The period a call counts into: the one the clock is in, unless the key holds a
-/// later period of the same kind. That happens when the clock stepped back across a
-/// period's start (a failover to a primary whose clock is behind): the later period's
-/// counts are kept and counted into, never reset to an earlier period's. Only a stored
-/// earlier (or unreadable) period starts afresh.
+/// The period a call counts into: the one the clock is in, unless the key holds the
+/// next period of the same kind. That happens when the clock stepped back across a
+/// period's start (a failover to a primary whose clock is behind): the next period's
+/// counts are kept and counted into, never reset to an earlier period's. A stored
+/// earlier, unreadable, or later than next period (a clock stepped far forward, a stray
+/// write: no clock about to enter it wrote it) starts afresh in the clock's period, so
+/// it locks a quota at most until the clock's period ends.
 pub fn counting_period(
     per: Per,
     zone: &TimeZone,
@@ -74,7 +76,7 @@ pub fn counting_period(
         .and_then(|label| first_day_of_label(per, label))
         .and_then(|day| period_of_day(per, zone, day));
     Some(match stored {
-        Some(stored) if stored.start > current.start => stored,
+        Some(next) if next.start == current.end => next,
         _ => current,
     })
 }
@@ -204,6 +206,14 @@ pub fn seed(usage: Usage, counts: Usage) -> Usage {
         calls: usage.calls.max(counts.calls),
         rows: usage.rows.max(counts.rows),
     }
+}
+
+/// The usage to write after an ADD or a SEED turned `before` (the period's, zero when
+/// the key holds another period or none) into `after`; None when no count changed (an
+/// ADD of nothing, a SEED at or below the counts): then nothing is written, replicated
+/// or signalled, as a plain command that changes nothing.
+pub fn to_write(before: Usage, after: Usage) -> Option<Usage> {
+    (after != before).then_some(after)
 }
 
 /// The CALLS and ROWS limits of a check; None where not limited.
@@ -422,6 +432,8 @@ mod tests {
             None,
             Some(&b"2026-11-29"[..]),
             Some(b"2026-11-30"),
+            Some(b"2026-12-02"),
+            Some(b"2030-06-01"),
             Some(b"2026-12"),
             Some(b"2026-13-01"),
             Some(b"2026-02-30"),
@@ -437,7 +449,16 @@ mod tests {
             );
         }
         let current = period(Per::Month, &berlin, now).unwrap();
-        for stored in [&b"2026-10"[..], b"2026-11", b"2026-12-01", b"2026-1"] {
+        for stored in [
+            &b"2026-10"[..],
+            b"2026-11",
+            b"2026-12-01",
+            b"2026-1",
+            // Beyond the next period: not trusted.
+            b"2027-01",
+            b"2030-06",
+            b"9999-12",
+        ] {
             assert_eq!(
                 counting_period(Per::Month, &berlin, now, Some(stored)),
                 Some(current),
@@ -543,6 +564,21 @@ mod tests {
         );
         let s = seed(Usage { calls: 5, rows: 50 }, Usage { calls: 3, rows: 80 });
         assert_eq!(s, Usage { calls: 5, rows: 80 }, "never lowers a count");
+        let before = Usage { calls: 5, rows: 50 };
+        assert_eq!(to_write(before, s), Some(s));
+        assert_eq!(
+            to_write(before, seed(before, Usage { calls: 5, rows: 1 })),
+            None
+        );
+        assert_eq!(
+            to_write(before, add(before, Usage::default()).unwrap()),
+            None
+        );
+        assert_eq!(
+            to_write(Usage::default(), Usage::default()),
+            None,
+            "zeros on no key"
+        );
     }
 
     fn parse(text: &str) -> Result<QuotaArgs, String> {

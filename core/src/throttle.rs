@@ -1,12 +1,16 @@
 //! GCRA rate limiting as redis-cell's `CL.THROTTLE` computes it (0.5.0,
-//! `redis-cell-impl/src/lib.rs` and the reply in `redis-cell/src/lib.rs`), on the same
-//! state: one integer, the theoretical arrival time (TAT) in nanoseconds since the Unix
-//! epoch. Where redis-cell would overflow or divide by zero (and abort the server),
-//! this refuses with an error instead.
+//! `src/cell/mod.rs` and the reply in `src/lib.rs`), on the same state: one integer, the
+//! theoretical arrival time (TAT) in nanoseconds since the Unix epoch.
+//!
+//! redis-cell keeps times as `time` 0.3's `OffsetDateTime` and `Duration` (whole seconds
+//! and nanoseconds, 96 bits), reads the stored TAT as a `u64` and takes any `i64` of
+//! seconds as a period; this computes the same values exactly in `i128` nanoseconds.
+//! Where redis-cell would overflow, wrap or divide by zero (and abort the server or
+//! store garbage), this refuses with an error instead.
 
 use crate::args::{ArgError, ArgList, Args};
 
-const NANOS_PER_SECOND: i64 = 1_000_000_000;
+const NANOS_PER_SECOND: i128 = 1_000_000_000;
 
 /// `key max_burst count period [quantity]`: `count` per `period` seconds, bursts of
 /// `max_burst + 1`, taking `quantity` (0: only look).
@@ -19,16 +23,13 @@ pub struct ThrottleArgs {
     pub quantity: i64,
 }
 
-/// The longest period whose nanoseconds fit an i64: about 292 years.
-pub const PERIOD_MAX: i64 = i64::MAX / NANOS_PER_SECOND;
-
 pub fn parse_throttle<L: ArgList + ?Sized>(list: &L) -> Result<ThrottleArgs, ArgError> {
     let mut args = Args::new(list);
     args.expect_count(4, 5)?;
     let key = args.key()?;
     let max_burst = args.integer("max_burst", 0, i64::MAX - 1)?;
     let count = args.integer("count", 1, i64::MAX)?;
-    let period = args.integer("period", 1, PERIOD_MAX)?;
+    let period = args.integer("period", 1, i64::MAX)?;
     let quantity = match args.remaining() {
         0 => 1,
         _ => args.integer("quantity", 0, i64::MAX)?,
@@ -47,7 +48,8 @@ pub fn parse_throttle<L: ArgList + ?Sized>(list: &L) -> Result<ThrottleArgs, Arg
 pub enum ThrottleError {
     /// More than one per nanosecond: the emission interval would be 0.
     ZeroInterval,
-    /// A time or a duration beyond the nanosecond range of an i64.
+    /// A burst or quantity whose nanoseconds overflow an i64 (redis-cell's product
+    /// wraps), or a TAT to write beyond the u64 range redis-cell reads.
     Overflow,
 }
 
@@ -73,11 +75,11 @@ pub struct Throttle {
     pub remaining: i64,
     /// Nanoseconds until the call would be allowed; -1 s when allowed, and when it can
     /// never fit (its increment is more than the whole burst).
-    pub retry_after_nanos: i64,
+    pub retry_after_nanos: i128,
     /// Nanoseconds until the limiter is back to its full burst: TAT − now.
-    pub reset_after_nanos: i64,
+    pub reset_after_nanos: i128,
     /// The new TAT, written when allowed with a quantity above 0.
-    pub write: Option<i64>,
+    pub write: Option<u64>,
 }
 
 impl Throttle {
@@ -93,21 +95,24 @@ impl Throttle {
     }
 }
 
-/// A duration as redis-cell replies it: whole seconds, plus one when the part below a
-/// second holds at least a whole millisecond (so a caller never retries too early).
-/// Both parts take the duration's sign, so a negative duration is truncated only.
-pub fn reply_seconds(nanos: i64) -> i64 {
-    let whole = nanos / NANOS_PER_SECOND;
-    let millis = (nanos % NANOS_PER_SECOND) / 1_000_000;
-    whole + i64::from(millis > 0)
+/// A duration as redis-cell 0.5.0 replies it: `as_seconds_f64() as i64` (whole seconds
+/// plus the nanoseconds as a fraction, in a double, which rounds to the nearest second
+/// when the fraction is within half a unit of the last place of it, from about 2^24 s
+/// on), plus one when the part below a second holds at least a whole millisecond (so a
+/// caller never retries too early). Both parts take the duration's sign, so a negative
+/// duration is truncated only.
+pub fn reply_seconds(nanos: i128) -> i64 {
+    let seconds = nanos / NANOS_PER_SECOND;
+    let below = nanos % NANOS_PER_SECOND;
+    let as_f64 = seconds as f64 + below as f64 / NANOS_PER_SECOND as f64;
+    as_f64 as i64 + i64::from(below / 1_000_000 > 0)
 }
 
-/// The emission interval in nanoseconds: a double division truncated, as redis-cell's
-/// `Rate::per_period` computes it.
+/// The emission interval in nanoseconds: the period's nanoseconds (exact, any i64 of
+/// seconds) divided by the count as doubles and truncated, saturating at the i64 range,
+/// as redis-cell's `Rate::per_period` computes it.
 pub fn emission_interval(count: i64, period: i64) -> Result<i64, ThrottleError> {
-    let period_nanos = period
-        .checked_mul(NANOS_PER_SECOND)
-        .ok_or(ThrottleError::Overflow)?;
+    let period_nanos = i128::from(period) * NANOS_PER_SECOND;
     let interval = (period_nanos as f64 / count as f64) as i64;
     match interval {
         0 => Err(ThrottleError::ZeroInterval),
@@ -117,33 +122,48 @@ pub fn emission_interval(count: i64, period: i64) -> Result<i64, ThrottleError> 
 
 /// Throttles at `now` (nanoseconds since the Unix epoch) a limiter whose stored TAT is
 /// `stored` (None when the key is missing).
+///
+/// A stored TAT is trusted up to `skew` nanoseconds beyond the limiter's own reach,
+/// `now + tolerance` (no call of this limiter writes a later one by this clock): a TAT
+/// ahead by that little, as after a failover to a primary whose clock is behind, is
+/// kept, so the step back mints no credit. A later one (a clock stepped far forward, a
+/// stray write) is read as a missing key, so it never locks the limiter longer than its
+/// burst window plus the skew. redis-cell trusts every TAT; a skew past the u64 range
+/// (e.g. `skew_nanos(i64::MAX)`) does the same.
 pub fn throttle(
     args: &ThrottleArgs,
-    stored: Option<i64>,
+    stored: Option<u64>,
     now: i64,
+    skew: i128,
 ) -> Result<Throttle, ThrottleError> {
     let overflow = ThrottleError::Overflow;
     let interval = emission_interval(args.count, args.period)?;
     let limit = args.max_burst + 1;
-    let tolerance = interval.checked_mul(limit).ok_or(overflow)?;
-    let increment = interval.checked_mul(args.quantity).ok_or(overflow)?;
-    let tat = stored.unwrap_or(now);
-    let new_tat = now.max(tat).checked_add(increment).ok_or(overflow)?;
-    let allow_at = new_tat.checked_sub(tolerance).ok_or(overflow)?;
-    let not_yet = now.checked_sub(allow_at).ok_or(overflow)? < 0;
-    let (limited, retry_after_nanos, ttl, write) = if not_yet {
+    // Products of i64s in redis-cell (where they wrap): refused here.
+    let tolerance = i128::from(interval.checked_mul(limit).ok_or(overflow)?);
+    let increment = i128::from(interval.checked_mul(args.quantity).ok_or(overflow)?);
+    let (interval, now) = (i128::from(interval), i128::from(now));
+    let tat = match stored.map(i128::from) {
+        Some(tat) if tat - now <= tolerance + skew => tat,
+        _ => now,
+    };
+    let new_tat = now.max(tat) + increment;
+    let allow_at = new_tat - tolerance;
+    let (limited, retry_after_nanos, ttl, write) = if now < allow_at {
         let retry = match increment <= tolerance {
-            true => allow_at.checked_sub(now).ok_or(overflow)?,
+            true => allow_at - now,
             false => -NANOS_PER_SECOND,
         };
-        let ttl = tat.checked_sub(now).ok_or(overflow)?;
-        (true, retry, ttl, None)
+        (true, retry, tat - now, None)
     } else {
-        let written = (args.quantity > 0).then_some(new_tat);
-        let ttl = new_tat.checked_sub(now).ok_or(overflow)?;
-        (false, -NANOS_PER_SECOND, ttl, written)
+        let write = match args.quantity {
+            0 => None,
+            // redis-cell would wrap it (and store garbage): refused here.
+            _ => Some(u64::try_from(new_tat).map_err(|_| overflow)?),
+        };
+        (false, -NANOS_PER_SECOND, new_tat - now, write)
     };
-    let next = tolerance.checked_sub(ttl).ok_or(overflow)?;
+    let next = tolerance - ttl;
     // redis-cell divides whole microseconds as doubles; an interval under a microsecond
     // makes that an infinite or undefined quotient, which the cast saturates.
     let remaining = match next > -interval {
@@ -165,16 +185,21 @@ pub fn throttle(
 /// expires once the server's millisecond clock passes it, so it is read at most within
 /// the TAT's own millisecond after the TAT: never with a TAT a millisecond old, which
 /// would answer more remaining than the burst.
-pub fn expire_at_millis(tat: i64) -> i64 {
-    tat.div_euclid(1_000_000)
+pub fn expire_at_millis(tat: u64) -> i64 {
+    // At most u64::MAX / 10^6, well within an i64.
+    (tat / 1_000_000) as i64
 }
 
-/// A stored TAT: a non-negative decimal integer, digits only.
-pub fn parse_tat(bytes: &[u8]) -> Option<i64> {
-    if bytes.is_empty() || !bytes.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    crate::args::parse_integer(bytes)
+/// A skew of whole seconds, THROTTLE-SKEW's, in nanoseconds.
+pub fn skew_nanos(seconds: i64) -> i128 {
+    i128::from(seconds) * NANOS_PER_SECOND
+}
+
+/// A stored TAT as redis-cell reads it: Rust's `u64` from a string (ASCII digits, an
+/// optional leading `+`, leading zeros allowed, at most 2^64 − 1); None for anything
+/// else, which redis-cell would abort the server on.
+pub fn parse_tat(bytes: &[u8]) -> Option<u64> {
+    std::str::from_utf8(bytes).ok()?.parse().ok()
 }
 
 #[cfg(test)]
@@ -182,8 +207,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const START: i64 = 1_764_441_000 * NANOS_PER_SECOND;
+    const NANOS: i64 = 1_000_000_000;
+    const START: i64 = 1_764_441_000 * NANOS;
     const MS: i64 = 1_000_000;
+    /// Every stored TAT trusted, as redis-cell does.
+    const TRUST_ALL: i128 = i128::MAX / 4;
 
     fn args(max_burst: i64, count: i64, period: i64, quantity: i64) -> ThrottleArgs {
         ThrottleArgs {
@@ -193,6 +221,10 @@ mod tests {
             period,
             quantity,
         }
+    }
+
+    fn at(nanos: i64) -> Option<u64> {
+        Some(u64::try_from(nanos).unwrap())
     }
 
     /// redis-cell's own table of cases (limit 5, one per second), run through one state.
@@ -220,7 +252,13 @@ mod tests {
         for (i, (offset, quantity, limited, remaining, reset, retry)) in
             cases.into_iter().enumerate()
         {
-            let t = throttle(&args(4, 1, 1, quantity), stored, START + offset * MS).unwrap();
+            let t = throttle(
+                &args(4, 1, 1, quantity),
+                stored,
+                START + offset * MS,
+                TRUST_ALL,
+            )
+            .unwrap();
             assert_eq!(
                 (
                     t.limited,
@@ -229,7 +267,13 @@ mod tests {
                     t.reset_after_nanos,
                     t.retry_after_nanos
                 ),
-                (limited, 5, remaining, reset * MS, retry * MS),
+                (
+                    limited,
+                    5,
+                    remaining,
+                    i128::from(reset * MS),
+                    i128::from(retry * MS)
+                ),
                 "case {i}"
             );
             stored = t.write.or(stored);
@@ -238,18 +282,13 @@ mod tests {
 
     #[test]
     fn a_peek_writes_nothing_and_a_refusal_writes_nothing() {
-        let t = throttle(&args(2, 1, 1, 0), None, START).unwrap();
+        let t = throttle(&args(2, 1, 1, 0), None, START, TRUST_ALL).unwrap();
         assert_eq!((t.limited, t.remaining, t.write), (false, 3, None));
-        let t = throttle(
-            &args(0, 1, 10, 1),
-            Some(START + 10 * NANOS_PER_SECOND),
-            START,
-        )
-        .unwrap();
+        let t = throttle(&args(0, 1, 10, 1), at(START + 10 * NANOS), START, TRUST_ALL).unwrap();
         assert_eq!((t.limited, t.write), (true, None));
         assert_eq!(t.as_reply(), [1, 1, 0, 10, 10]);
-        let t = throttle(&args(0, 1, 10, 1), None, START).unwrap();
-        assert_eq!(t.write, Some(START + 10 * NANOS_PER_SECOND));
+        let t = throttle(&args(0, 1, 10, 1), None, START, TRUST_ALL).unwrap();
+        assert_eq!(t.write, at(START + 10 * NANOS));
         assert_eq!(t.as_reply(), [0, 1, 0, -1, 10]);
     }
 
@@ -266,32 +305,137 @@ mod tests {
     }
 
     #[test]
+    fn seconds_from_2_24_on_are_rounded_as_a_double_first() {
+        // redis-cell: `as_seconds_f64() as i64`. Below 2^24 s a double tells
+        // 999,999,999 ns from a whole second; from 2^24 s on it rounds them up to it.
+        assert_eq!(reply_seconds(16_777_215_999_999_999), 16_777_216);
+        assert_eq!(reply_seconds(16_777_216_999_999_999), 16_777_218);
+        assert_eq!(reply_seconds(16_777_216_999_000_000), 16_777_217);
+        // The cases of the issue: 3 × trunc(10^18 / 15) ns, 3 × trunc(10^17 / 3) ns.
+        assert_eq!(reply_seconds(199_999_999_999_999_992), 200_000_001);
+        assert_eq!(reply_seconds(99_999_999_999_999_996), 100_000_001);
+        let t = throttle(&args(5, 15, 1_000_000_000, 3), None, START, TRUST_ALL).unwrap();
+        assert_eq!(t.as_reply(), [0, 6, 3, -1, 200_000_001]);
+        let t = throttle(&args(100, 3, 100_000_000, 3), None, START, TRUST_ALL).unwrap();
+        assert_eq!(t.as_reply(), [0, 101, 98, -1, 100_000_001]);
+        // Negative durations stay truncated: -1 s is -1.
+        assert_eq!(reply_seconds(-16_777_216_999_999_999), -16_777_217);
+    }
+
+    #[test]
     fn the_interval_is_a_truncated_double_division() {
         assert_eq!(emission_interval(3, 1), Ok(333_333_333));
-        assert_eq!(emission_interval(1, 60), Ok(60 * NANOS_PER_SECOND));
+        assert_eq!(emission_interval(1, 60), Ok(60 * NANOS));
         assert_eq!(emission_interval(7, 100), Ok(14_285_714_285));
         assert_eq!(
-            emission_interval(NANOS_PER_SECOND + 1, 1),
+            emission_interval(NANOS + 1, 1),
             Err(ThrottleError::ZeroInterval)
         );
-        assert_eq!(emission_interval(NANOS_PER_SECOND, 1), Ok(1));
+        assert_eq!(emission_interval(NANOS, 1), Ok(1));
         assert_eq!(
-            emission_interval(1, PERIOD_MAX),
-            Ok(PERIOD_MAX * NANOS_PER_SECOND)
+            emission_interval(1, 9_223_372_036),
+            Ok(9_223_372_036 * NANOS)
         );
+        // Periods whose nanoseconds pass 2^63: exact in i128, then the double division.
+        assert_eq!(emission_interval(10_000_000_000, 10_000_000_000), Ok(NANOS));
+        assert_eq!(
+            emission_interval(15, 1_000_000_000),
+            Ok(66_666_666_666_666_664)
+        );
+        // An interval beyond the i64 range saturates, as a double-to-i64 cast does.
+        assert_eq!(emission_interval(1, 10_000_000_000), Ok(i64::MAX));
+        assert_eq!(emission_interval(1, i64::MAX), Ok(i64::MAX));
+    }
+
+    #[test]
+    fn periods_beyond_9223372036_seconds_are_computed() {
+        let t = throttle(
+            &args(1, 10_000_000_000, 10_000_000_000, 1),
+            None,
+            START,
+            TRUST_ALL,
+        )
+        .unwrap();
+        assert_eq!(t.as_reply(), [0, 2, 1, -1, 1]);
+        // One per 10^10 s: an interval of i64::MAX ns, written past 2^63.
+        let t = throttle(&args(0, 1, 10_000_000_000, 1), None, START, TRUST_ALL).unwrap();
+        assert_eq!(t.as_reply(), [0, 1, 0, -1, 9_223_372_037]);
+        let tat = t.write.unwrap();
+        assert_eq!(u128::from(tat), START as u128 + i64::MAX as u128);
+        assert_eq!(expire_at_millis(tat), (tat / 1_000_000) as i64);
+        // Read back: refused, the whole interval to wait.
+        let t = throttle(&args(0, 1, 10_000_000_000, 1), Some(tat), START, TRUST_ALL).unwrap();
+        assert_eq!(t.as_reply(), [1, 1, 0, 9_223_372_037, 9_223_372_037]);
     }
 
     #[test]
     fn overflows_are_errors() {
         let huge = args(i64::MAX - 1, 1, 1, 1);
-        assert_eq!(throttle(&huge, None, START), Err(ThrottleError::Overflow));
-        let much = args(0, 1, 1, i64::MAX);
-        assert_eq!(throttle(&much, None, START), Err(ThrottleError::Overflow));
-        let late = args(0, 1, 1, 1);
         assert_eq!(
-            throttle(&late, Some(i64::MAX), START),
+            throttle(&huge, None, START, TRUST_ALL),
             Err(ThrottleError::Overflow)
         );
+        let much = args(0, 1, 1, i64::MAX);
+        assert_eq!(
+            throttle(&much, None, START, TRUST_ALL),
+            Err(ThrottleError::Overflow)
+        );
+        // A TAT at the end of the u64 range is read, and refuses.
+        let t = throttle(&args(0, 1, 1, 1), Some(u64::MAX), START, TRUST_ALL).unwrap();
+        assert!(t.limited);
+        assert_eq!(
+            t.reset_after_nanos,
+            i128::from(u64::MAX) - i128::from(START)
+        );
+    }
+
+    #[test]
+    fn tats_past_2_63_are_read_as_redis_cell_reads_them() {
+        // 2^63 ns, in 2262, with a burst wide enough to reach it: numbers as redis-cell
+        // 0.5.0 computes them (its run at another clock: [0 9000000001 1572718964 -1
+        // 7427281037]).
+        let tat = 1u64 << 63;
+        let t = throttle(&args(9_000_000_000, 1, 1, 0), Some(tat), START, TRUST_ALL).unwrap();
+        assert_eq!(
+            t.as_reply(),
+            [0, 9_000_000_001, 1_541_068_964, -1, 7_458_931_037]
+        );
+        let t = throttle(&args(1, 1, 1, 1), Some(tat), START, TRUST_ALL).unwrap();
+        assert_eq!(t.as_reply(), [1, 2, 0, 7_458_931_036, 7_458_931_037]);
+        // Taken from: the new TAT is past 2^63 too.
+        let t = throttle(&args(9_000_000_000, 1, 1, 1), Some(tat), START, TRUST_ALL).unwrap();
+        assert_eq!(t.write, Some(tat + 1_000_000_000));
+    }
+
+    #[test]
+    fn a_tat_is_trusted_up_to_the_skew_beyond_the_burst_window() {
+        let skew = skew_nanos(60);
+        // Burst 5, one a second: a burst window of 5 s.
+        let a = args(4, 1, 1, 1);
+        let edge = START + 5 * NANOS + 60 * NANOS;
+        let t = throttle(&a, at(edge), START, skew).unwrap();
+        assert_eq!(t.as_reply(), [1, 5, 0, 61, 65], "kept: no credit minted");
+        // A nanosecond further: read as a missing key, a fresh limiter.
+        let t = throttle(&a, at(edge + 1), START, skew).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        assert_eq!(t.write, at(START + NANOS));
+        let peek = throttle(&args(4, 1, 1, 0), at(edge + 1), START, skew).unwrap();
+        assert_eq!((peek.as_reply(), peek.write), ([0, 5, 5, -1, 0], None));
+        // Years ahead, or at the end of the u64 range: the same.
+        for far in [START + 6 * 365 * 86_400 * NANOS, i64::MAX] {
+            let t = throttle(&a, at(far), START, skew).unwrap();
+            assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        }
+        let t = throttle(&a, Some(u64::MAX), START, skew).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        // No skew: the burst window only.
+        let t = throttle(&a, at(START + 5 * NANOS), START, 0).unwrap();
+        assert_eq!(t.as_reply(), [1, 5, 0, 1, 5]);
+        let t = throttle(&a, at(START + 5 * NANOS + 1), START, 0).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+        // A TAT behind the clock is no matter of trust: the clock's.
+        let t = throttle(&a, at(START - 100 * NANOS), START, 0).unwrap();
+        assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
     }
 
     #[test]
@@ -300,39 +444,56 @@ mod tests {
         // intervals in whole microseconds (666,666 / 333,333), one in nanoseconds.
         let a = args(2, 3, 1, 1);
         let tat = START + 3 * 333_333_333 - 666_666_665 - 333_333_333;
-        let t = throttle(&a, Some(tat), START).unwrap();
+        let t = throttle(&a, at(tat), START, TRUST_ALL).unwrap();
         assert!(!t.limited);
         assert_eq!(t.remaining, 2);
         // An interval under a microsecond divides by zero: an infinite quotient
         // saturates, an undefined one (under a microsecond of room) casts to 0.
         let fast = args(1000, 500_000_000, 1, 1);
-        assert_eq!(throttle(&fast, None, START).unwrap().remaining, i64::MAX);
+        assert_eq!(
+            throttle(&fast, None, START, TRUST_ALL).unwrap().remaining,
+            i64::MAX
+        );
         let fast = args(10, 500_000_000, 1, 1);
-        assert_eq!(throttle(&fast, None, START).unwrap().remaining, 0);
+        assert_eq!(
+            throttle(&fast, None, START, TRUST_ALL).unwrap().remaining,
+            0
+        );
     }
 
     #[test]
     fn expiry_is_the_tats_millisecond() {
-        assert_eq!(expire_at_millis(START), START / MS);
-        assert_eq!(expire_at_millis(START + 1), START / MS);
-        assert_eq!(expire_at_millis(START + MS - 1), START / MS);
-        assert_eq!(expire_at_millis(START + MS), START / MS + 1);
+        let start = START as u64;
+        let ms = MS as u64;
+        assert_eq!(expire_at_millis(start), START / MS);
+        assert_eq!(expire_at_millis(start + 1), START / MS);
+        assert_eq!(expire_at_millis(start + ms - 1), START / MS);
+        assert_eq!(expire_at_millis(start + ms), START / MS + 1);
+        assert_eq!(expire_at_millis(u64::MAX), 18_446_744_073_709);
     }
 
     #[test]
-    fn stored_tats_are_digits_only() {
+    fn stored_tats_are_read_as_a_rust_u64() {
         assert_eq!(
             parse_tat(b"1764441000000000000"),
             Some(1_764_441_000_000_000_000)
         );
         assert_eq!(parse_tat(b"0"), Some(0));
+        assert_eq!(parse_tat(b"+5"), Some(5));
+        assert_eq!(parse_tat(b"007"), Some(7));
+        assert_eq!(parse_tat(b"9223372036854775808"), Some(1 << 63));
+        assert_eq!(parse_tat(b"18446744073709551615"), Some(u64::MAX));
         for bad in [
             &b""[..],
+            b"+",
             b"-1",
-            b"+1",
+            b"-0",
+            b"++1",
             b" 1",
+            b"1 ",
             b"1.5",
             b"abc",
+            b"18446744073709551616",
             b"99999999999999999999",
             b"\xff",
         ] {
@@ -357,6 +518,15 @@ mod tests {
             })
         );
         assert_eq!(parse("T k 0 1 1 0").map(|a| a.quantity), Ok(0));
+        assert_eq!(
+            parse("T k 1 1 9223372037").map(|a| a.period),
+            Ok(9_223_372_037)
+        );
+        assert_eq!(
+            parse("T k 1 1 9223372036854775807").map(|a| a.period),
+            Ok(i64::MAX)
+        );
+        assert_eq!(parse("T k +1 +2 +3 +4").map(|a| a.quantity), Ok(4));
         for (words, error) in [
             ("T k 1 1", "ERR wrong number of arguments"),
             ("T k 1 1 1 1 1", "ERR wrong number of arguments"),
@@ -370,11 +540,11 @@ mod tests {
             ),
             (
                 "T k 1 1 0",
-                "ERR period must be an integer from 1 to 9223372036",
+                "ERR period must be an integer from 1 to 9223372036854775807",
             ),
             (
-                "T k 1 1 9223372037",
-                "ERR period must be an integer from 1 to 9223372036",
+                "T k 1 1 9223372036854775808",
+                "ERR period must be an integer from 1 to 9223372036854775807",
             ),
             (
                 "T k 1 1 1 -1",
@@ -404,7 +574,7 @@ mod tests {
             steps in proptest::collection::vec((0i64..2_000_000_000, 0i64..4), 1..60),
         ) {
             let mut now = START;
-            let mut stored = None;
+            let mut stored: Option<u64> = None;
             let mut taken = 0i64;
             let interval = emission_interval(count, period).unwrap();
             for (dt, quantity) in steps {
@@ -414,7 +584,7 @@ mod tests {
                     stored = None;
                 }
                 let a = args(max_burst, count, period, quantity);
-                let t = throttle(&a, stored, now).unwrap();
+                let t = throttle(&a, stored, now, TRUST_ALL).unwrap();
                 // Within the TAT's own millisecond a little more than the burst may
                 // show, as in redis-cell.
                 prop_assert!(t.remaining >= 0 && t.remaining <= max_burst + 1 + MS / interval);
@@ -427,16 +597,39 @@ mod tests {
             prop_assert!(taken <= max_burst + 1 + refilled + 1, "{} > {} + {}", taken, max_burst + 1, refilled);
         }
 
+        /// Whatever is stored, a limiter is back to its full burst within its burst
+        /// window plus the skew.
+        #[test]
+        fn never_locked_past_the_burst_window_and_the_skew(
+            max_burst in 0i64..1000,
+            count in 1i64..1000,
+            period in 1i64..100_000,
+            quantity in 0i64..1000,
+            stored in proptest::option::of(any::<u64>()),
+            skew_seconds in 0i64..100_000,
+        ) {
+            let a = args(max_burst, count, period, quantity);
+            let skew = skew_nanos(skew_seconds);
+            let t = throttle(&a, stored, START, skew).unwrap();
+            let tolerance = i128::from(emission_interval(count, period).unwrap()) * i128::from(max_burst + 1);
+            prop_assert!(t.reset_after_nanos <= tolerance + skew, "{:?}", t);
+        }
+
         #[test]
         fn any_input_is_an_answer_or_an_error(
             max_burst in 0i64..i64::MAX,
             count in 1i64..i64::MAX,
-            period in 1i64..=PERIOD_MAX,
+            period in 1i64..=i64::MAX,
             quantity in 0i64..i64::MAX,
-            stored in proptest::option::of(0i64..i64::MAX),
-            now in i64::MIN..i64::MAX,
+            stored in proptest::option::of(any::<u64>()),
+            now in 0i64..i64::MAX,
         ) {
-            let _ = throttle(&args(max_burst, count, period, quantity), stored, now);
+            if let Ok(t) = throttle(&args(max_burst, count, period, quantity), stored, now, TRUST_ALL) {
+                // What is written is never behind the clock, nor past what it reads.
+                if let Some(tat) = t.write {
+                    prop_assert!(i128::from(tat) >= i128::from(now));
+                }
+            }
         }
     }
 }

@@ -52,6 +52,17 @@ impl Clock {
     pub fn expire_at_millis(&self) -> i64 {
         (self.window() + 2) * self.window_micros / 1000
     }
+
+    /// The key's expiry after a write, given the one it has (-1: none): this window's
+    /// (`expire_at_millis`), or the one it has when later, up to what the next window's
+    /// counts give. Those counts are kept (a clock stepped back within a window: they
+    /// were made a little ahead), and must last until they stop counting; an expiry
+    /// later still came from no window this clock is about to enter (a clock stepped
+    /// far forward, a stray write) and is brought back.
+    pub fn expiry_after_write(&self, current: i64) -> i64 {
+        let latest = (self.window() + 3) * self.window_micros / 1000;
+        self.expire_at_millis().max(current.min(latest))
+    }
 }
 
 /// A scope's limits per window; 0 means no limit of that kind.
@@ -68,6 +79,18 @@ pub struct Counters {
     pub previous_requests: i64,
     pub tokens: i64,
     pub previous_tokens: i64,
+}
+
+impl Counters {
+    /// Whether setting the current counter of `kind` to `value` changes it (a missing
+    /// or unreadable counter reads as 0): a write that changes nothing (a RECORD of no
+    /// tokens) is not made, nor replicated or signalled.
+    pub fn changes(&self, kind: Kind, value: i64) -> bool {
+        match kind {
+            Kind::Requests => value != self.requests,
+            Kind::Tokens => value != self.tokens,
+        }
+    }
 }
 
 /// current + previous × weight.
@@ -177,14 +200,17 @@ impl Kind {
     }
 }
 
-/// Whether `field` is a counter of a window older than the previous one: a write
-/// removes those. Fields of other names are never touched.
+/// Whether `field` is a counter of a window that no longer counts, or not yet and never
+/// by this clock: older than the previous window, or later than the next (the next
+/// window's counts are kept, made by a clock a little ahead). A write removes those.
+/// Fields of other names are never touched.
 pub fn is_stale(field: &[u8], clock: &Clock) -> bool {
     let number = field
         .strip_prefix(b"req:")
         .or_else(|| field.strip_prefix(b"tok:"))
         .and_then(crate::args::parse_integer);
-    number.is_some_and(|n| n < clock.window() - 1)
+    let window = clock.window();
+    number.is_some_and(|n| n < window - 1 || n > window + 1)
 }
 
 /// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds]
@@ -380,9 +406,14 @@ mod tests {
         assert!(!is_stale(&name(Kind::Requests, n), &c));
         assert!(!is_stale(&name(Kind::Tokens, n - 1), &c));
         assert!(
-            !is_stale(&name(Kind::Tokens, n + 5), &c),
-            "a later window is not older"
+            !is_stale(&name(Kind::Tokens, n + 1), &c),
+            "the next window's counts are kept"
         );
+        assert!(
+            is_stale(&name(Kind::Tokens, n + 2), &c),
+            "later ones are no window this clock is about to enter"
+        );
+        assert!(is_stale(&name(Kind::Requests, i64::MAX), &c));
         assert!(is_stale(&name(Kind::Requests, n - 2), &c));
         assert!(is_stale(&name(Kind::Tokens, 1), &c));
         assert!(is_stale(b"req:-5", &c));
@@ -399,6 +430,20 @@ mod tests {
     }
 
     #[test]
+    fn a_write_that_changes_no_counter_is_not_made() {
+        let c = Counters {
+            requests: 3,
+            previous_requests: 9,
+            tokens: 0,
+            previous_tokens: 9,
+        };
+        assert!(c.changes(Kind::Requests, 4));
+        assert!(!c.changes(Kind::Requests, 3));
+        assert!(!c.changes(Kind::Tokens, 0), "RECORD 0 on no counter");
+        assert!(c.changes(Kind::Tokens, 1));
+    }
+
+    #[test]
     fn retry_and_expiry() {
         assert_eq!(clock(0.0).seconds_left(), 60);
         assert_eq!(clock(59.2).seconds_left(), 1);
@@ -406,6 +451,15 @@ mod tests {
         assert_eq!(clock(0.0).expire_at_millis(), START / 1000 + 120_000);
         assert_eq!(clock(59.9).expire_at_millis(), START / 1000 + 120_000);
         assert_eq!(clock(60.0).expire_at_millis(), START / 1000 + 180_000);
+        // After a write: never earlier than this window's, never later than the next's.
+        let c = clock(0.0);
+        let (own, next) = (START / 1000 + 120_000, START / 1000 + 180_000);
+        assert_eq!(c.expiry_after_write(-1), own);
+        assert_eq!(c.expiry_after_write(own - 1), own);
+        assert_eq!(c.expiry_after_write(own + 1), own + 1);
+        assert_eq!(c.expiry_after_write(next), next);
+        assert_eq!(c.expiry_after_write(next + 1), next);
+        assert_eq!(c.expiry_after_write(i64::MAX), next);
     }
 
     fn parse_a(text: &str) -> Result<AdmitArgs, String> {

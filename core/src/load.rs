@@ -1,0 +1,140 @@
+//! The module's load arguments, `loadmodule libqag.so [CL-THROTTLE] [TEST-COMMANDS]
+//! [THROTTLE-SKEW seconds]`, read with the commands' own parser: words in any order,
+//! case-insensitive, each once; anything else refuses the load.
+
+use crate::args::{ArgError, Args};
+
+/// How far beyond a limiter's burst window a stored THROTTLE time is trusted by
+/// default: clocks of a primary and its replicas differ by far less, and a TAT ahead
+/// by more (a clock stepped far forward, a stray write) locks the limiter at most this
+/// long beyond its burst window.
+pub const DEFAULT_THROTTLE_SKEW_SECONDS: i64 = 60;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Register CL.THROTTLE, redis-cell's name, too.
+    pub cl_throttle: bool,
+    /// Register the commands that exist for tests only (QAG.TEST.PANIC).
+    pub test_commands: bool,
+    /// THROTTLE-SKEW: seconds a stored TAT may lie beyond the burst window.
+    pub throttle_skew_seconds: i64,
+}
+
+/// The load arguments as the server passed them (none is the module's path).
+pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
+    // The parser's cursor starts after a command name: give it one.
+    let mut words: Vec<&[u8]> = vec![b"loadmodule"];
+    words.extend_from_slice(list);
+    let mut args = Args::new(&words[..]);
+    let (mut cl_throttle, mut test_commands, mut skew) = (None, None, None);
+    let expected = "CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds";
+    while let Some(option) =
+        args.option(&["CL-THROTTLE", "TEST-COMMANDS", "THROTTLE-SKEW"], expected)?
+    {
+        match option {
+            0 => set_once(&mut cl_throttle, true, "CL-THROTTLE")?,
+            1 => set_once(&mut test_commands, true, "TEST-COMMANDS")?,
+            _ => {
+                if args.remaining() == 0 {
+                    return Err(ArgError::Invalid("THROTTLE-SKEW needs a number of seconds"));
+                }
+                set_once(
+                    &mut skew,
+                    args.integer("THROTTLE-SKEW", 0, i64::MAX)?,
+                    "THROTTLE-SKEW",
+                )?;
+            }
+        }
+    }
+    Ok(LoadOptions {
+        cl_throttle: cl_throttle.unwrap_or(false),
+        test_commands: test_commands.unwrap_or(false),
+        throttle_skew_seconds: skew.unwrap_or(DEFAULT_THROTTLE_SKEW_SECONDS),
+    })
+}
+
+fn set_once<T>(slot: &mut Option<T>, value: T, name: &'static str) -> Result<(), ArgError> {
+    if slot.is_some() {
+        return Err(ArgError::RepeatedOption { name });
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<LoadOptions, String> {
+        let words: Vec<&[u8]> = text.split_whitespace().map(str::as_bytes).collect();
+        parse_load_args(&words).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn none_is_the_defaults() {
+        assert_eq!(
+            parse(""),
+            Ok(LoadOptions {
+                cl_throttle: false,
+                test_commands: false,
+                throttle_skew_seconds: 60
+            })
+        );
+    }
+
+    #[test]
+    fn words_in_any_order_and_case() {
+        assert_eq!(
+            parse("throttle-skew 5 CL-THROTTLE test-commands"),
+            Ok(LoadOptions {
+                cl_throttle: true,
+                test_commands: true,
+                throttle_skew_seconds: 5
+            })
+        );
+        assert_eq!(
+            parse("THROTTLE-SKEW 0").map(|o| o.throttle_skew_seconds),
+            Ok(0)
+        );
+        assert_eq!(
+            parse("THROTTLE-SKEW 9223372036854775807").map(|o| o.throttle_skew_seconds),
+            Ok(i64::MAX)
+        );
+    }
+
+    #[test]
+    fn anything_else_is_refused() {
+        for (text, error) in [
+            (
+                "THROTTLE-SKEW",
+                "ERR THROTTLE-SKEW needs a number of seconds",
+            ),
+            (
+                "THROTTLE-SKEW -1",
+                "ERR THROTTLE-SKEW must be an integer from 0 to 9223372036854775807",
+            ),
+            (
+                "THROTTLE-SKEW 1.5",
+                "ERR THROTTLE-SKEW must be an integer from 0 to 9223372036854775807",
+            ),
+            (
+                "THROTTLE-SKEW 1 THROTTLE-SKEW 1",
+                "ERR THROTTLE-SKEW given more than once",
+            ),
+            (
+                "CL-THROTTLE CL-THROTTLE",
+                "ERR CL-THROTTLE given more than once",
+            ),
+            (
+                "CL-THROTTLE 5",
+                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds",
+            ),
+            (
+                "SKEW 5",
+                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds",
+            ),
+        ] {
+            assert_eq!(parse(text).err().as_deref(), Some(error), "{text}");
+        }
+    }
+}
