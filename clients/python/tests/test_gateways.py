@@ -90,7 +90,7 @@ def leases(server: Server, key: str) -> int:
 
 
 def test_the_readme_shows_the_example_verbatim() -> None:
-    readme = (REPOSITORY / "README.md").read_text()
+    readme = (REPOSITORY / "docs" / "clients.md").read_text()
     text = EXAMPLE.read_text()
     shown = text[text.index("import argparse") : text.index("def parse_args")].rstrip()
     assert f"```python\n{shown}\n```\n" in readme

@@ -1,5 +1,6 @@
-"""The README's Python example is examples/gateway.py verbatim, it runs, and its names
-limit one address across every key it uses by the address's own bucket."""
+"""The Python example of docs/clients.md is examples/gateway.py verbatim, it runs,
+and its names limit one address across every key it uses by the address's own
+bucket."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def load_example() -> ModuleType:
 
 
 def test_the_readme_shows_the_example_verbatim() -> None:
-    readme = (REPOSITORY / "README.md").read_text()
+    readme = (REPOSITORY / "docs" / "clients.md").read_text()
     assert f"```python\n{EXAMPLE.read_text()}```\n" in readme
 
 

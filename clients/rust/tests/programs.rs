@@ -1,5 +1,5 @@
-//! The example programs, run as a user runs them, and the README's Rust example, which
-//! must be examples/gateway.rs verbatim (so the README's code is compiled).
+//! The example programs, run as a user runs them, and docs/clients.md's Rust example, which
+//! must be examples/gateway.rs verbatim (so the docs' code is compiled).
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -124,13 +124,13 @@ fn the_readme_shows_the_axum_gateways_set_up_verbatim() {
     let source =
         std::fs::read_to_string(repository_root().join("clients/rust/examples/axum_gateway.rs"))
             .unwrap();
-    let readme = std::fs::read_to_string(repository_root().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repository_root().join("docs/clients.md")).unwrap();
     let start = source.find("#[tokio::main]").unwrap();
     let end = source.find("/// The command line.").unwrap();
     let set_up = source[start..end].trim_end();
     assert!(
         readme.contains(&format!("```rust\n{set_up}\n```\n")),
-        "README.md does not show axum_gateway.rs's main verbatim"
+        "docs/clients.md does not show axum_gateway.rs's main verbatim"
     );
 }
 
@@ -139,10 +139,10 @@ fn the_gateway_example_runs_and_is_the_readmes() {
     let source =
         std::fs::read_to_string(repository_root().join("clients/rust/examples/gateway.rs"))
             .unwrap();
-    let readme = std::fs::read_to_string(repository_root().join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(repository_root().join("docs/clients.md")).unwrap();
     assert!(
         readme.contains(&format!("```rust\n{source}```\n")),
-        "README.md's Rust gateway example is not clients/rust/examples/gateway.rs verbatim"
+        "docs/clients.md's Rust gateway example is not clients/rust/examples/gateway.rs verbatim"
     );
     if external("the_gateway_example_runs_and_is_the_readmes") {
         return;
