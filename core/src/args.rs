@@ -171,6 +171,15 @@ impl<'a, L: ArgList + ?Sized> Args<'a, L> {
 /// Where the keys are in a call whose argument 1 counts them and whose first key is
 /// argument 2, one every `step` arguments: for the server's key lookups (ACL, cluster
 /// routing), which may come before the call is validated, so any input gives an answer.
+/// Sets an option given once; a second time is an error naming it.
+pub fn set_once<T>(slot: &mut Option<T>, value: T, name: &'static str) -> Result<(), ArgError> {
+    if slot.is_some() {
+        return Err(ArgError::RepeatedOption { name });
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
 pub fn counted_key_positions<L: ArgList + ?Sized>(
     list: &L,
     step: usize,

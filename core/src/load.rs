@@ -2,7 +2,7 @@
 //! [THROTTLE-SKEW seconds]`, read with the commands' own parser: words in any order,
 //! case-insensitive, each once; anything else refuses the load.
 
-use crate::args::{ArgError, Args};
+use crate::args::{set_once, ArgError, Args};
 
 /// How far beyond a limiter's burst window a stored THROTTLE time is trusted by
 /// default: clocks of a primary and its replicas differ by far less, and a TAT ahead
@@ -51,14 +51,6 @@ pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
         test_commands: test_commands.unwrap_or(false),
         throttle_skew_seconds: skew.unwrap_or(DEFAULT_THROTTLE_SKEW_SECONDS),
     })
-}
-
-fn set_once<T>(slot: &mut Option<T>, value: T, name: &'static str) -> Result<(), ArgError> {
-    if slot.is_some() {
-        return Err(ArgError::RepeatedOption { name });
-    }
-    *slot = Some(value);
-    Ok(())
 }
 
 #[cfg(test)]

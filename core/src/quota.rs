@@ -8,7 +8,7 @@ use jiff::civil::Date;
 use jiff::tz::TimeZone;
 use jiff::{Timestamp, ZonedDateTime};
 
-use crate::args::{ArgError, ArgList, Args};
+use crate::args::{set_once, ArgError, ArgList, Args};
 use crate::number::stored_count;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -294,14 +294,6 @@ pub fn parse_quota<L: ArgList + ?Sized>(list: &L) -> Result<QuotaArgs, ArgError>
         calls,
         rows,
     })
-}
-
-fn set_once<T>(slot: &mut Option<T>, value: T, name: &'static str) -> Result<(), ArgError> {
-    if slot.is_some() {
-        return Err(ArgError::RepeatedOption { name });
-    }
-    *slot = Some(value);
-    Ok(())
 }
 
 #[cfg(test)]
