@@ -306,3 +306,18 @@ def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) ->
     assert leases(server, "qag:running:acme~w") == 0
     assert bucket_tokens(server, "qag:ratelimit:client:3/3600:203.0.113.9") == 1
     limiter.close()
+
+
+def test_a_request_the_limiter_cannot_finish_costs_no_tokens(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    # Without the module, buckets run on the script but slots cannot be taken: every
+    # request is a 503, and what its buckets took is given back.
+    server = start_server(with_module=False)
+    gateway = start_gateway(server, "--key-limit", "3/3600", "--max-concurrent", "2")
+    url = gateway.url("key=acme~m")
+    for _ in range(5):
+        status, _, body = get(url)
+        assert status == 503
+        assert '"code":"limiter_unavailable"' in body
+    assert bucket_tokens(server, "qag:ratelimit:key:3/3600:acme~m") == 3

@@ -200,3 +200,27 @@ def test_renewals_that_fail_lose_the_lease_within_its_ttl(
         expected = QagPermissionError if failure == "NOPERM" else QagModuleRequired
         assert isinstance(lease.last_error, expected), lease.last_error
     assert limiter.counts.errors >= 2  # the renewals
+
+
+def test_leaving_a_block_during_a_back_off_releases_the_slot_once_redis_answers(
+    start_server: Callable[..., Server], stop: Callable[[Server], None]
+) -> None:
+    import os
+    import signal
+
+    from qag_client import Bucket, Limiter
+
+    server = start_server()
+    limiter = Limiter(server.client(), deadline=0.3, back_off=1.0, on_unavailable="forward")
+    with limiter.lease("qag:slots", 2, 30_000, "a"):
+        # A blip while the request runs: the take meets it, a back-off starts.
+        stop(server)
+        assert limiter.take(Bucket("qag:b", 5, 3600)).answered_by == "forwarded"
+        os.kill(server.process.pid, signal.SIGCONT)
+        assert limiter.backing_off
+    # Left during the back-off: released in the background, not left to its 30 s TTL.
+    until = time.monotonic() + 3
+    while int(server.client().execute_command("QAG.LEASES", "qag:slots")) != 0:
+        assert time.monotonic() < until, "the slot is still held"
+        time.sleep(0.05)
+    limiter.close()

@@ -150,17 +150,26 @@ where
     }
 
     /// Stops renewing and frees the slot; true when the lease was still held. An error
-    /// is returned (the slot then runs out by its TTL); dropping the guard instead
-    /// releases in the background and never fails.
+    /// is returned, and the release goes on in the background as a drop's would;
+    /// dropping the guard instead releases in the background and never fails.
     pub async fn release(mut self) -> Result<bool, Error> {
         self.released = true;
         self.stop_renewing();
         match self.answered_by {
             AnsweredBy::Module | AnsweredBy::Script => {
-                self.limiter.release(&self.key, &self.id).await
+                let answer = self.limiter.release(&self.key, &self.id).await;
+                if answer.is_err() {
+                    // Not given back now (a back-off, an outage): in the background, as
+                    // a drop would, so the slot does not wait for its TTL.
+                    let until = Instant::now() + self.ttl;
+                    release_in_background(&self.limiter, &self.key, &self.id, until);
+                }
+                answer
             }
             AnsweredBy::Local => {
-                lock(&self.limiter.shared.local).leases.release(&self.key);
+                lock(&self.limiter.shared.local)
+                    .leases
+                    .release(&self.key, &self.id);
                 Ok(true)
             }
             AnsweredBy::Forwarded => Ok(true),
@@ -190,7 +199,9 @@ where
                 &self.id,
                 Instant::now() + self.ttl,
             ),
-            AnsweredBy::Local => lock(&self.limiter.shared.local).leases.release(&self.key),
+            AnsweredBy::Local => lock(&self.limiter.shared.local)
+                .leases
+                .release(&self.key, &self.id),
             AnsweredBy::Forwarded => {}
         }
     }
@@ -379,7 +390,7 @@ where
                         Lease::Held(LeaseGuard::new(self, key, id, ttl, AnsweredBy::Forwarded))
                     }
                     Instead::Local { state, share, .. } => {
-                        match state.leases.acquire(key, share_of(max, share)) {
+                        match state.leases.acquire(key, id, share_of(max, share)) {
                             Ok(()) => {
                                 Lease::Held(LeaseGuard::new(self, key, id, ttl, AnsweredBy::Local))
                             }

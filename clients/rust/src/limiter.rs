@@ -2,6 +2,7 @@
 //! per-call deadline, and running every call under the outage policy. The commands of
 //! each family are in their own files (buckets, leases, quotas, windows).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -40,12 +41,13 @@ pub struct Options {
     pub deadline: Duration,
     /// What a call does when Redis fails, and during the back-off after it.
     pub on_unavailable: OnUnavailable,
-    /// How long Redis is left alone after a failure (zero: every call tries Redis).
-    /// When it ends, one call probes Redis; the others keep to the policy until the
-    /// probe has answered.
+    /// How long Redis is left alone after a failure (zero: every call tries Redis; a
+    /// day at most). When it ends, one call probes Redis; the others keep to the policy
+    /// until the probe has answered.
     pub back_off: Duration,
     /// This process's share of every limit under [`OnUnavailable::Local`]: 1/N for N
-    /// gateway processes keeps a fleet near its limits during an outage.
+    /// gateway processes keeps a fleet near its limits during an outage. Above 1 counts
+    /// as 1; zero, negative or NaN as 1 too.
     pub local_share: f64,
     /// How long a server found without the module is believed: after that, `Auto`
     /// asks again (the module may have been loaded in a rolling upgrade).
@@ -85,6 +87,9 @@ pub(crate) struct Shared {
     outage: Mutex<Outage>,
     pub(crate) local: Mutex<LocalState>,
     counts: Mutex<Counts>,
+    /// Something was counted locally since Redis last answered (without a back-off,
+    /// the next answer drops it).
+    counted_locally: AtomicBool,
     pub(crate) script: redis::Script,
     pub(crate) refund_script: redis::Script,
 }
@@ -201,7 +206,9 @@ where
         Limiter::with_options(con, Options::default())
     }
 
-    pub fn with_options(con: C, options: Options) -> Limiter<C> {
+    pub fn with_options(con: C, mut options: Options) -> Limiter<C> {
+        let share = options.local_share;
+        options.local_share = if share > 0.0 { share.min(1.0) } else { 1.0 };
         Limiter {
             con,
             options,
@@ -210,6 +217,7 @@ where
                 outage: Mutex::new(Outage::default()),
                 local: Mutex::new(LocalState::default()),
                 counts: Mutex::new(Counts::default()),
+                counted_locally: AtomicBool::new(false),
                 script: redis::Script::new(TOKEN_BUCKET_LUA),
                 refund_script: redis::Script::new(TOKEN_REFUND_LUA),
             }),
@@ -278,7 +286,10 @@ where
                         self.answer_instead(instead, error)
                     }
                     answer => {
-                        if lock(&self.shared.outage).answered(probe) {
+                        let ended = lock(&self.shared.outage).answered(probe);
+                        let no_back_off = self.options.back_off.is_zero()
+                            && self.shared.counted_locally.swap(false, Ordering::Relaxed);
+                        if ended || no_back_off {
                             lock(&self.shared.local).clear();
                         }
                         answer
@@ -306,11 +317,14 @@ where
         let answer = match self.options.on_unavailable {
             OnUnavailable::Raise => None,
             OnUnavailable::Forward => instead(Instead::Forward),
-            OnUnavailable::Local => instead(Instead::Local {
-                state: &mut lock(&self.shared.local),
-                now_micros: unix_micros(),
-                share: self.options.local_share,
-            }),
+            OnUnavailable::Local => {
+                self.shared.counted_locally.store(true, Ordering::Relaxed);
+                instead(Instead::Local {
+                    state: &mut lock(&self.shared.local),
+                    now_micros: unix_micros(),
+                    share: self.options.local_share,
+                })
+            }
         };
         answer.ok_or(cause)
     }

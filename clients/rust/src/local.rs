@@ -6,7 +6,7 @@
 //! of N processes with a share of 1/N stays near the limit during an outage. Plain code:
 //! the clock is an argument.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use qag_core::bucket::{self, Limit, State, Verdict};
 use qag_core::quota::{self, Usage};
@@ -97,35 +97,38 @@ impl LocalBuckets {
     }
 }
 
-/// Live leases per key, counted by this process alone.
+/// Live leases per key, counted by this process alone, by id: a slot is freed only by
+/// the id that holds it (a guard from an earlier outage frees nothing of a later one),
+/// and an id asking again holds one slot, as the module counts it.
 #[derive(Default)]
 pub struct LocalLeases {
-    live: HashMap<String, u64>,
+    live: HashMap<String, HashSet<String>>,
 }
 
 impl LocalLeases {
-    /// Takes a slot when fewer than `max` are held here; else the live count.
-    pub fn acquire(&mut self, key: &str, max: u64) -> Result<(), u64> {
-        let live = self.live.entry(key.to_owned()).or_default();
-        if *live < max {
-            *live += 1;
+    /// Takes a slot for `id` when fewer than `max` are held here (or `id` holds one);
+    /// else the live count.
+    pub fn acquire(&mut self, key: &str, id: &str, max: u64) -> Result<(), u64> {
+        let ids = self.live.entry(key.to_owned()).or_default();
+        if ids.contains(id) || (ids.len() as u64) < max {
+            ids.insert(id.to_owned());
             Ok(())
         } else {
-            Err(*live)
+            Err(ids.len() as u64)
         }
     }
 
-    pub fn release(&mut self, key: &str) {
-        if let Some(live) = self.live.get_mut(key) {
-            *live = live.saturating_sub(1);
-            if *live == 0 {
+    pub fn release(&mut self, key: &str, id: &str) {
+        if let Some(ids) = self.live.get_mut(key) {
+            ids.remove(id);
+            if ids.is_empty() {
                 self.live.remove(key);
             }
         }
     }
 
     pub fn live(&self, key: &str) -> u64 {
-        self.live.get(key).copied().unwrap_or(0)
+        self.live.get(key).map_or(0, |ids| ids.len() as u64)
     }
 }
 
@@ -355,14 +358,18 @@ mod tests {
     #[test]
     fn leases_are_counted_per_key_up_to_the_max() {
         let mut leases = LocalLeases::default();
-        assert_eq!(leases.acquire("k", 2), Ok(()));
-        assert_eq!(leases.acquire("k", 2), Ok(()));
-        assert_eq!(leases.acquire("k", 2), Err(2));
-        assert_eq!(leases.acquire("other", 2), Ok(()));
-        leases.release("k");
+        assert_eq!(leases.acquire("k", "a", 2), Ok(()));
+        assert_eq!(leases.acquire("k", "b", 2), Ok(()));
+        assert_eq!(leases.acquire("k", "c", 2), Err(2));
+        assert_eq!(leases.acquire("k", "a", 2), Ok(()), "a holder asking again");
+        assert_eq!(leases.acquire("other", "a", 2), Ok(()));
+        leases.release("k", "a");
         assert_eq!(leases.live("k"), 1);
-        assert_eq!(leases.acquire("k", 2), Ok(()));
-        leases.release("gone");
+        // An id that holds nothing here frees nothing (a guard of an earlier outage).
+        leases.release("k", "old");
+        assert_eq!(leases.live("k"), 1);
+        assert_eq!(leases.acquire("k", "c", 2), Ok(()));
+        leases.release("gone", "a");
         assert_eq!(leases.live("gone"), 0);
     }
 

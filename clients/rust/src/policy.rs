@@ -74,7 +74,8 @@ impl Outage {
         if back_off.is_zero() {
             return;
         }
-        let until = now + back_off;
+        // Options::back_off is any Duration: a day at most, so the instant exists.
+        let until = now + back_off.min(Duration::from_secs(86_400));
         self.until = Some(self.until.map_or(until, |current| current.max(until)));
         self.cause = Some(cause.to_string());
     }
@@ -196,6 +197,10 @@ mod tests {
         let mut never = Outage::default();
         never.failed(false, start, Duration::ZERO, &Error::Timeout);
         assert_eq!(never.route(start), Route::Redis { probe: false });
+
+        let mut long = Outage::default();
+        long.failed(false, start, Duration::MAX, &Error::Timeout);
+        assert_eq!(long.route(start + Duration::from_secs(3600)), Route::Policy);
     }
 
     #[test]

@@ -30,7 +30,7 @@ use http_body::{Body, Frame, SizeHint};
 use redis::aio::ConnectionLike;
 
 use crate::answers::Refusal;
-use crate::decision::{Decision, PairDecision, Quota, QuotaDecision};
+use crate::decision::{AnsweredBy, Decision, PairDecision, Quota, QuotaDecision};
 use crate::error::Error;
 use crate::headers::Headers;
 use crate::leases::{Lease, LeaseGuard};
@@ -349,7 +349,10 @@ where
             (None, None) => None,
         };
         if let Some(pair) = pair {
-            let pair = pair.map_err(|error| self.failed(&error))?;
+            let pair = match pair {
+                Ok(pair) => pair,
+                Err(error) => return Err(self.failed(&error).await),
+            };
             if self.client_bucket.is_some() {
                 self.client = Some(pair.client);
                 self.key = pair.key;
@@ -369,11 +372,10 @@ where
             }
         }
         if let (Some(quota_key), Some(quota)) = (&self.quota_key, &self.limits.quota) {
-            let check = self
-                .limiter
-                .quota_check(quota_key, quota)
-                .await
-                .map_err(|error| self.failed(&error))?;
+            let check = match self.limiter.quota_check(quota_key, quota).await {
+                Ok(check) => check,
+                Err(error) => return Err(self.failed(&error).await),
+            };
             self.quota = Some(check);
             if !check.allowed {
                 self.give_back().await;
@@ -391,11 +393,14 @@ where
         }
         if let (Some(api_key), Some(max)) = (&self.api_key, self.limits.max_concurrent) {
             let slots = format!("qag:running:{api_key}");
-            let lease = self
+            let lease = match self
                 .limiter
                 .lease(&slots, max, self.config.lease_ttl, &self.id)
                 .await
-                .map_err(|error| self.failed(&error))?;
+            {
+                Ok(lease) => lease,
+                Err(error) => return Err(self.failed(&error).await),
+            };
             match lease {
                 Lease::Held(guard) => self.guard = Some(guard),
                 Lease::Refused(_) => {
@@ -415,16 +420,20 @@ where
     }
 
     /// A limit could not be asked: 503 under the `Raise` policy (the other policies
-    /// answer instead of failing); the error is the limiter's to count.
-    fn failed(&self, error: &Error) -> Refusal {
+    /// answer an outage instead of failing), or for an error no policy answers (a
+    /// missing module, NOPERM); what the buckets took is given back.
+    async fn failed(&mut self, error: &Error) -> Refusal {
+        self.give_back().await;
         log::warn!(target: "qag_client", "request {} not limited: {error}", self.request_id);
         Refusal::Unavailable {
             retry_after: self.limiter.options().back_off.as_secs().max(1),
         }
     }
 
-    /// Gives back the tokens the buckets took for a request a later limit refused, and
-    /// shows what the buckets hold after it.
+    /// Gives back the tokens the buckets took from Redis for a request a later limit
+    /// refused, and shows what the buckets hold after it. Only Redis's: a forwarded take
+    /// took nothing, a local one is not worth a token that a refund to Redis, or to a
+    /// local bucket cleared since, would mint; and nothing during a back-off.
     async fn give_back(&mut self) {
         for (bucket, decision) in [
             (&self.client_bucket, &mut self.client),
@@ -433,7 +442,8 @@ where
             let (Some(bucket), Some(taken)) = (bucket, decision.as_mut()) else {
                 continue;
             };
-            if !taken.allowed {
+            let from_redis = matches!(taken.answered_by, AnsweredBy::Module | AnsweredBy::Script);
+            if !taken.allowed || !from_redis || self.limiter.backing_off() {
                 continue;
             }
             match self.limiter.refund(bucket, 1).await {

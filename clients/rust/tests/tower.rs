@@ -323,3 +323,26 @@ async fn streams_hold_their_slot_to_the_last_byte() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_the_limiter_cannot_finish_costs_no_tokens() {
+    if external("a_request_the_limiter_cannot_finish_costs_no_tokens") {
+        return;
+    }
+    // Without the module, buckets run on the script but slots cannot be taken: every
+    // request is a 503, and what its buckets took is given back.
+    let server = Server::start(&ServerOptions {
+        without_module: true,
+        ..Default::default()
+    });
+    let mut con = server.client().get_connection().unwrap();
+    let gateway = Gateway::start(&server, &["--key-limit", "3/3600", "--max-concurrent", "2"]);
+    let url = gateway.url("key=acme~m");
+    for _ in 0..5 {
+        let (status, _, body) = get(&url).await;
+        assert_eq!(status, 503);
+        assert!(body.contains(r#""code":"limiter_unavailable""#), "{body}");
+    }
+    let key = "qag:ratelimit:key:3/3600:acme~m";
+    assert_eq!(bucket_tokens(&mut con, key), Some(3));
+}

@@ -414,9 +414,18 @@ class AsyncLease:
         """Releases the slot now (leaving the block then does nothing): True if a live
         lease was released. Raises what the release met."""
         self._stop_renewals()
-        self._state.done = True
-        flow = self._limiter._engine.guard_release(self._state, False)
-        return await self._limiter._run(flow) is True
+        state, limiter = self._state, self._limiter
+        state.done = True
+        try:
+            released = await limiter._run(limiter._engine.guard_release(state))
+        except d.QagError:
+            limiter._engine.background_failed()
+            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise
+        if released is None:
+            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise d.QagUnavailable("backing off: the lease is released in the background")
+        return released is True
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self._stop_renewals()
@@ -425,14 +434,15 @@ class AsyncLease:
             return
         state.done = True
         try:
-            await limiter._run(limiter._engine.guard_release(state, True))
+            if await limiter._run(limiter._engine.guard_release(state)) is None:
+                # A back-off: released in the background, once Redis answers.
+                limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
         except asyncio.CancelledError:
             if state.in_redis:  # cancelled on the way out: released in the background
                 limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
             raise
         except Exception as error:
-            if not isinstance(error, d.QagError):
-                limiter._engine.background_failed()
+            limiter._engine.background_failed()
             log.warning(
                 "qag: the lease %s of %s was not released (its TTL frees it): %s",
                 self.id,

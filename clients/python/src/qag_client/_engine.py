@@ -543,19 +543,20 @@ class Engine:
 
         return self._routed(in_redis(), Fallback(None, lambda state, _, __: state.leases.live(key)))
 
-    def guard_release(self, lease: LeaseState, exiting: bool) -> Flow[Optional[bool]]:
+    def guard_release(self, lease: LeaseState) -> Flow[Optional[bool]]:
         """A guard's release: a local lease is given back here, a forwarded one has
-        nothing to give back; a lease held in Redis is released there, except when
-        leaving the block during a back-off (then its TTL frees it: None). A forwarded
-        lease counts as held to the end: True."""
+        nothing to give back (it counts as held to the end: True); a lease held in
+        Redis is released there, straight (never answered by the policy, which would
+        say False for a slot still held), except during a back-off: None, and the
+        driver releases it in the background."""
         if lease.answered_by == "forwarded":
             return True
         if lease.answered_by == "local":
             with self._lock:
                 return self.local.leases.release(lease.key, lease.id)
-        if exiting and self.backing_off:
+        if self.backing_off:
             return None
-        return (yield from self.release(lease.key, lease.id))
+        return (yield from self._unrouted(self._release(lease.key, lease.id)))
 
     def renewal(self, key: str, lease_id: str, ttl_ms: int) -> Flow[bool]:
         """A guard's renewal, in the background."""

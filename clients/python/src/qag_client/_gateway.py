@@ -254,8 +254,10 @@ class Limiting:
         try:
             return (yield from self._admit())
         except QagError as error:
-            # A limit could not be asked: 503 under "raise" (the other policies answer).
+            # A limit could not be asked: 503 under "raise" (the other policies answer
+            # an outage) or for an error no policy answers; what was taken goes back.
             log.warning("qag: request %s not limited: %s", self.request_id, error)
+            yield from self._give_back()
             return Refusal("unavailable", max(int(self.config.back_off), 1))
 
     def _admit(self) -> Step:
@@ -294,11 +296,15 @@ class Limiting:
         return self.admitted
 
     def _give_back(self) -> Step:
-        """Gives back the tokens the buckets took for a request a later limit refused;
-        the headers then show what the buckets hold after it."""
+        """Gives back the tokens the buckets took from Redis for a request a later limit
+        refused; the headers then show what the buckets hold after it. Only Redis's: a
+        forwarded take took nothing, and a local one is not worth a token that a refund
+        to Redis (or to a local bucket cleared since) would mint."""
         for bucket, side in ((self.client_bucket, "client"), (self.key_bucket, "key")):
             taken: Optional[Decision] = getattr(self, side)
             if bucket is None or taken is None or not taken.allowed:
+                continue
+            if taken.answered_by not in ("module", "script"):
                 continue
             try:
                 refunded = yield Call("refund", (bucket, 1))

@@ -468,19 +468,31 @@ class Lease:
         """Releases the slot now (leaving the block then does nothing): True if a live
         lease was released. Raises what the release met."""
         self._stop_renewals()
-        self._state.done = True
-        return self._limiter._run(self._limiter._engine.guard_release(self._state, False)) is True
+        state, limiter = self._state, self._limiter
+        state.done = True
+        try:
+            released = limiter._run(limiter._engine.guard_release(state))
+        except d.QagError:
+            limiter._engine.background_failed()
+            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise
+        if released is None:
+            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise d.QagUnavailable("backing off: the lease is released in the background")
+        return released is True
 
     def __exit__(self, *exc_info: Any) -> None:
         self._stop_renewals()
         if self._state.done:
             return
-        self._state.done = True
+        state, limiter = self._state, self._limiter
+        state.done = True
         try:
-            self._limiter._run(self._limiter._engine.guard_release(self._state, True))
+            if limiter._run(limiter._engine.guard_release(state)) is None:
+                # A back-off: released in the background, once Redis answers.
+                limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
         except Exception as error:
-            if not isinstance(error, d.QagError):
-                self._limiter._engine.background_failed()
+            limiter._engine.background_failed()
             log.warning(
                 "qag: the lease %s of %s was not released (its TTL frees it): %s",
                 self.id,
