@@ -407,9 +407,10 @@ class Lease:
     Entering takes the slot (QAG.LEASE) or raises QagRefused. A lease held in Redis is
     renewed every ttl/3 by a daemon thread while the block runs; ``lost`` turns true
     when a renewal finds it gone, or once it could not be confirmed within its TTL
-    (``last_error`` says why). Leaving the block releases it, exception or not; a
-    release that fails is counted in ``limiter.counts.errors`` and logged, never
-    raised (the TTL frees the slot). ``answered_by``: "module", or "local" / "forwarded"
+    (``last_error`` says why). Leaving the block releases it, exception or not (during
+    a back-off in the background, once Redis answers); a release that fails is counted
+    in ``limiter.counts.errors`` and logged, never raised (the TTL frees the slot).
+    ``answered_by``: "module", or "local" / "forwarded"
     for a lease the policy answered (nothing in Redis; never renewed, never lost).
     """
 
