@@ -3,7 +3,8 @@
 each qag command beside its floor (the plain commands doing its data work), the
 token-bucket script and redis-cell, one bar per server. Python 3 standard library only.
 Usage: instructions-chart.py instructions.csv out.svg"""
-import csv
+import importlib.util
+import os
 import sys
 from xml.sax.saxutils import escape
 
@@ -11,18 +12,18 @@ COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759"]
 FLOOR_COLOURS = ["#a0bcd8", "#f8c594", "#a8d5a2", "#f0a9aa"]
 
 
+def load_table_module():
+    """instructions-table.py, whose CSV reader this chart shares."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "instructions-table.py")
+    spec = importlib.util.spec_from_file_location("instructions_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main():
     src, dst = sys.argv[1], sys.argv[2]
-    figures, floors, servers, versions = {}, {}, [], {}
-    with open(src, newline="") as f:
-        for r in csv.DictReader(f):
-            label = r["command"] + (" (%s)" % r["cell"] if r.get("cell") else "")
-            key = (label, r["keys"])
-            if r["server"] not in servers:
-                servers.append(r["server"])
-            versions[r["server"]] = r["version"]
-            figures.setdefault(key, {})[r["server"]] = float(r["per_call"])
-            floors[key] = r["floor"]
+    figures, floors, servers, versions = load_table_module().load(src)
 
     # Groups: each non-floor row, then its floor drawn lighter right below it.
     groups = []

@@ -7,7 +7,7 @@ import sys
 
 
 def load(path):
-    figures, floors, servers, versions, cells = {}, {}, [], {}, {}
+    figures, floors, servers, versions = {}, {}, [], {}
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             label = r["command"] + (" (%s)" % r["cell"] if r.get("cell") else "")
