@@ -6,10 +6,11 @@ use std::ffi::CStr;
 
 use qag_core::args::ArgList;
 use qag_core::bucket::{self, Limit, State, Take as Outcome, Verdict};
-use qag_core::number::format_number;
+use qag_core::number::{format_number, NumberBuffer};
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
+use crate::replay::{self, Remembered, RequestId};
 use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY};
 
 static TOKENS: FieldName = FieldName::new("tokens");
@@ -45,6 +46,15 @@ impl<'a> Bucket<'a> {
     /// missing or unreadable, or when `ts` is more than a period ahead (`bucket::trusted`).
     fn stored(&self, now: f64) -> Option<State> {
         let [tokens, ts] = self.key.hash_get([TOKENS.raw(), TS.raw()]);
+        self.state_of(tokens, ts, now)
+    }
+
+    fn state_of(
+        &self,
+        tokens: Option<OwnedString>,
+        ts: Option<OwnedString>,
+        now: f64,
+    ) -> Option<State> {
         let stored = bucket::parse_state(
             tokens.as_ref().map(OwnedString::bytes),
             ts.as_ref().map(OwnedString::bytes),
@@ -58,35 +68,96 @@ impl<'a> Bucket<'a> {
         bucket::take(self.limit, cost, self.stored(now), now)
     }
 
-    /// Writes a state and the expiry back; they replicate as HSET and PEXPIREAT, the
-    /// effects, never the command, since the result depends on the primary's clock.
-    fn write(&mut self, ctx: &Ctx, state: &State, now_micros: i64) {
-        let mut text = ryu::Buffer::new();
+    /// The stored state at `now_micros` and, for a call with a request id (its command
+    /// and the id's argument), the id: read in one call.
+    fn read(
+        &self,
+        ctx: &Ctx,
+        args: &RawArgs,
+        id: Option<(&str, usize)>,
+        now_micros: i64,
+    ) -> (Option<State>, Option<RequestId>) {
+        let now = bucket::seconds_from_micros(now_micros);
+        let Some((command, index)) = id else {
+            return (self.stored(now), None);
+        };
+        let field = RequestId::field(ctx, command, args, index);
+        let [tokens, ts, value, summary] =
+            self.key
+                .hash_get([TOKENS.raw(), TS.raw(), field.raw, replay::SUMMARY.raw()]);
+        let id = RequestId::found(field, value, summary, now_micros / 1000);
+        (self.state_of(tokens, ts, now), Some(id))
+    }
+
+    /// Writes a state and the expiry back; they replicate as HSET and, when the expiry
+    /// moves (`bucket::expiry_after_call`), PEXPIREAT: the effects, never the command,
+    /// since the result depends on the primary's clock. `remembered`: the request id
+    /// this call remembers, written in the same HSET.
+    fn write(
+        &mut self,
+        ctx: &Ctx,
+        state: &State,
+        now_micros: i64,
+        remembered: Option<&Remembered>,
+    ) {
+        let mut text = NumberBuffer::new();
         let tokens = OwnedString::new(ctx, format_number(&mut text, state.tokens).as_bytes());
         let ts = OwnedString::new(ctx, format_number(&mut text, state.ts).as_bytes());
-        self.key
-            .set_fields([(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)]);
-        self.key.expire_at(bucket::expire_at_millis(
-            now_micros,
-            state.ts,
-            self.limit.period,
-        ));
+        let own = [(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)];
+        match remembered {
+            Some(r) => {
+                let fields: Vec<_> = own.into_iter().chain(r.fields()).collect();
+                self.key.set_fields(&fields);
+            }
+            None => self.key.set_fields(&own),
+        }
+        let (ts, period) = (state.ts, self.limit.period);
+        let own_id = remembered.map_or(0, |r| r.keep_until);
+        self.key.expire_given(|current, key| {
+            let full = bucket::expiry_after_call(current, now_micros, ts, period);
+            // A hash that remembers request ids (fields beyond `tokens` and `ts`) keeps
+            // its expiry for them, as long as it is not full earlier: only an expiry
+            // about to move earlier needs the look at its fields.
+            match full < current && (own_id > 0 || key.len() > 2) {
+                true => full
+                    .max(current.min(replay::keep_until(now_micros / 1000)))
+                    .max(own_id),
+                false => full.max(own_id),
+            }
+        });
+    }
+
+    /// Writes only what the call remembers, for a call that changes no bucket.
+    fn remember_only(&mut self, remembered: Option<&Remembered>) {
+        if let Some(r) = remembered {
+            self.key.set_fields(&r.fields().collect::<Vec<_>>());
+            self.key
+                .expire_given(|current, _| current.max(r.keep_until));
+        }
     }
 }
 
-/// `count period`, then the trailing `[COST n]`: TAKE's and PEEK's arguments.
-const TAKE_ARGS: &[Arg] = &[
+/// `key count period [COST n]`: PEEK's arguments, and TAKE's before its `[ID request-id]`.
+const PEEK_ARGS: &[Arg] = &[
     Arg::key(c"key", 0),
     Arg::integer(c"count"),
     Arg::double(c"period"),
     Arg::integer(c"cost").token(c"COST").optional(),
 ];
 
+const TAKE_ARGS: &[Arg] = &[
+    PEEK_ARGS[0],
+    PEEK_ARGS[1],
+    PEEK_ARGS[2],
+    PEEK_ARGS[3],
+    ID_ARG,
+];
+
 static TAKE: CallCounters = CallCounters::new();
 static TAKE_PAIR: CallCounters = CallCounters::new();
 static PEEK: CallCounters = CallCounters::new();
 
-/// QAG.TAKE key count period [COST n]
+/// QAG.TAKE key count period [COST n] [ID request-id]
 pub struct Take;
 
 impl Command for Take {
@@ -103,17 +174,25 @@ impl Command for Take {
     const OUTCOMES: &'static [&'static str] = &["allowed", "refused"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
-        let take = bucket::parse_take(args)?;
+        let take = bucket::parse_take(args, true)?;
         let mut bucket = Bucket::open(ctx, args, take.key, take.limit, Access::ReadWrite)?;
         let now = ctx.now_micros();
-        let outcome = bucket.take(take.cost, now);
-        bucket.write(ctx, &outcome.state, now);
+        let (stored, id) = bucket.read(ctx, args, take.id.map(|index| ("take", index)), now);
+        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+            return Ok(reply);
+        }
+        let seconds = bucket::seconds_from_micros(now);
+        let outcome = bucket::take(take.limit, take.cost, stored, seconds);
+        let reply = || Reply::Array(outcome.verdict.as_reply().into());
+        // Built where it is needed: a reply is a hundred bytes to copy.
+        let remembered = id.map(|id| id.remember(ctx, &mut bucket.key, &reply(), now / 1000));
+        bucket.write(ctx, &outcome.state, now, remembered.as_ref());
         TAKE.allowed_or_refused(outcome.verdict.allowed);
-        Ok(Reply::Array(outcome.verdict.as_reply().into()))
+        Ok(reply())
     }
 }
 
-/// QAG.TAKE2 ckey ccount cperiod kkey kcount kperiod [COST n]
+/// QAG.TAKE2 ckey ccount cperiod kkey kcount kperiod [COST n] [ID request-id]
 pub struct TakePair;
 
 impl Command for TakePair {
@@ -133,27 +212,33 @@ impl Command for TakePair {
         Arg::integer(c"kcount"),
         Arg::double(c"kperiod"),
         Arg::integer(c"cost").token(c"COST").optional(),
+        ID_ARG,
     ];
     const COUNTERS: &'static CallCounters = &TAKE_PAIR;
     const OUTCOMES: &'static [&'static str] = &["allowed", "refused_client", "refused_key"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
-        let (client, key) = Self::take_both(ctx, args)?;
-        TAKE_PAIR.decided(match key {
-            None => REFUSED,
-            Some(key) if !key.allowed => REFUSED_KEY,
-            Some(_) => ALLOWED,
-        });
-        Ok(Reply::Pair(
-            client.as_reply().into(),
-            key.map(|key| key.as_reply().into()),
-        ))
+        Self::take_both(ctx, args)
     }
 }
 
+/// TAKE2's reply and its outcome in INFO.
+fn pair_reply(client: Verdict, key: Option<Verdict>) -> Reply {
+    TAKE_PAIR.decided(match key {
+        None => REFUSED,
+        Some(key) if !key.allowed => REFUSED_KEY,
+        Some(_) => ALLOWED,
+    });
+    Reply::Pair(
+        client.as_reply().into(),
+        key.map(|key| key.as_reply().into()),
+    )
+}
+
 impl TakePair {
-    /// The client bucket's verdict, and the key bucket's when it was counted.
-    fn take_both(ctx: &Ctx, args: &RawArgs) -> Result<(Verdict, Option<Verdict>), CommandError> {
+    /// Takes from the client bucket, then, when it allowed, from the key bucket. A
+    /// request id lives in the client bucket's key, which every call writes.
+    fn take_both(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let pair = bucket::parse_take_pair(args)?;
         let now = ctx.now_micros();
         let cost = pair.client.cost;
@@ -164,22 +249,30 @@ impl TakePair {
             pair.client.limit,
             Access::ReadWrite,
         )?;
-        let client_outcome = client.take(cost, now);
+        let id = pair.client.id.map(|index| ("take2", index));
+        let (stored, id) = client.read(ctx, args, id, now);
+        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+            return Ok(reply);
+        }
+        let seconds = bucket::seconds_from_micros(now);
+        let client_outcome = bucket::take(pair.client.limit, cost, stored, seconds);
         let client_verdict = client_outcome.verdict;
 
         if args.get(pair.client.key) == args.get(pair.key.key) {
             // One key as both buckets: the script run twice on it, through one handle.
-            client.write(ctx, &client_outcome.state, now);
-            if !client_verdict.allowed {
-                return Ok((client_verdict, None));
-            }
+            client.write(ctx, &client_outcome.state, now, None);
             let mut again = Bucket {
                 limit: pair.key.limit,
                 ..client
             };
-            let outcome = again.take(cost, now);
-            again.write(ctx, &outcome.state, now);
-            return Ok((client_verdict, Some(outcome.verdict)));
+            let key_outcome = client_verdict.allowed.then(|| again.take(cost, now));
+            let reply = pair_reply(client_verdict, key_outcome.map(|o| o.verdict));
+            let remembered = id.map(|id| id.remember(ctx, &mut again.key, &reply, now / 1000));
+            match key_outcome {
+                Some(outcome) => again.write(ctx, &outcome.state, now, remembered.as_ref()),
+                None => again.remember_only(remembered.as_ref()),
+            }
+            return Ok(reply);
         }
 
         if !client_verdict.allowed {
@@ -191,15 +284,19 @@ impl TakePair {
                 pair.key.limit,
                 Access::ReadUntouched,
             )?;
-            client.write(ctx, &client_outcome.state, now);
-            return Ok((client_verdict, None));
+            let reply = pair_reply(client_verdict, None);
+            let remembered = id.map(|id| id.remember(ctx, &mut client.key, &reply, now / 1000));
+            client.write(ctx, &client_outcome.state, now, remembered.as_ref());
+            return Ok(reply);
         }
         // Both keys are open and of the right type before either is written.
         let mut key = Bucket::open(ctx, args, pair.key.key, pair.key.limit, Access::ReadWrite)?;
         let key_outcome = key.take(cost, now);
-        client.write(ctx, &client_outcome.state, now);
-        key.write(ctx, &key_outcome.state, now);
-        Ok((client_verdict, Some(key_outcome.verdict)))
+        let reply = pair_reply(client_verdict, Some(key_outcome.verdict));
+        let remembered = id.map(|id| id.remember(ctx, &mut client.key, &reply, now / 1000));
+        client.write(ctx, &client_outcome.state, now, remembered.as_ref());
+        key.write(ctx, &key_outcome.state, now, None);
+        Ok(reply)
     }
 }
 
@@ -215,11 +312,11 @@ impl Command for Peek {
     const SUMMARY: &'static CStr =
         c"Replies what QAG.TAKE would reply now, without changing the bucket";
     const COMPLEXITY: &'static CStr = c"O(1)";
-    const ARGS: &'static [Arg] = TAKE_ARGS;
+    const ARGS: &'static [Arg] = PEEK_ARGS;
     const COUNTERS: &'static CallCounters = &PEEK;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
-        let peek = bucket::parse_take(args)?;
+        let peek = bucket::parse_take(args, false)?;
         let bucket = Bucket::open(ctx, args, peek.key, peek.limit, Access::Read)?;
         let outcome = bucket.take(peek.cost, ctx.now_micros());
         Ok(Reply::Array(outcome.verdict.as_reply().into()))
@@ -228,13 +325,13 @@ impl Command for Peek {
 
 static REFUND: CallCounters = CallCounters::new();
 
-/// QAG.REFUND key count period n: gives tokens back to a bucket.
+/// QAG.REFUND key count period n [ID request-id]: gives tokens back to a bucket.
 pub struct Refund;
 
 impl Command for Refund {
     const NAME: &'static CStr = c"qag.refund";
     const FLAGS: &'static CStr = c"write deny-oom fast";
-    const ARITY: i32 = 5;
+    const ARITY: i32 = -5;
     const KEYS: KeyLayout = KeyLayout::Single;
     const WRITES: bool = true;
     const SINCE: &'static CStr = c"0.3.0";
@@ -246,6 +343,7 @@ impl Command for Refund {
         Arg::integer(c"count"),
         Arg::double(c"period"),
         Arg::integer(c"n"),
+        ID_ARG,
     ];
     const COUNTERS: &'static CallCounters = &REFUND;
 
@@ -253,11 +351,20 @@ impl Command for Refund {
         let refund = bucket::parse_refund(args)?;
         let mut bucket = Bucket::open(ctx, args, refund.key, refund.limit, Access::ReadWrite)?;
         let now = ctx.now_micros();
-        let seconds = bucket::seconds_from_micros(now);
-        let outcome = bucket::refund(refund.limit, refund.amount, bucket.stored(seconds), seconds);
-        if let Some(state) = &outcome.state {
-            bucket.write(ctx, state, now);
+        let id = refund.id.map(|index| ("refund", index));
+        let (stored, id) = bucket.read(ctx, args, id, now);
+        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+            return Ok(reply);
         }
-        Ok(Reply::Integer(outcome.tokens_left))
+        let seconds = bucket::seconds_from_micros(now);
+        let outcome = bucket::refund(refund.limit, refund.amount, stored, seconds);
+        let reply = Reply::Integer(outcome.tokens_left);
+        let remembered = id.map(|id| id.remember(ctx, &mut bucket.key, &reply, now / 1000));
+        match &outcome.state {
+            Some(state) => bucket.write(ctx, state, now, remembered.as_ref()),
+            // A missing bucket is full: nothing to write but the id, kept its time.
+            None => bucket.remember_only(remembered.as_ref()),
+        }
+        Ok(reply)
     }
 }

@@ -25,6 +25,7 @@ pub struct RawArgs {
 
 /// A reply, written only after the command has done all its work, so that a failure
 /// can never leave half a reply on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reply {
     /// One integer.
     Integer(i64),
@@ -35,7 +36,7 @@ pub enum Reply {
 }
 
 /// Up to six integers or nulls, kept on the stack.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Row {
     values: [Option<i64>; 6],
     len: usize,
@@ -49,6 +50,10 @@ impl Row {
         };
         row.values[..values.len()].copy_from_slice(values);
         row
+    }
+
+    pub fn values(&self) -> &[Option<i64>] {
+        &self.values[..self.len]
     }
 }
 
@@ -84,14 +89,15 @@ pub enum KeyLayout {
 
 impl KeyLayout {
     /// Whether the module answers the server's key lookups itself (flag
-    /// `getkeys-api`). Every layout but one key needs it: from key specs that are not
-    /// one contiguous range the server keeps only the first key as the command's
-    /// legacy key range, and cluster routing reads that range: without the module's
-    /// answer, TAKE2 on keys of two slots would not get CROSSSLOT, and RECORD would not
-    /// even be redirected. A counted layout with a step needs it for key specs too:
-    /// servers read a key count as a count of arguments.
+    /// `getkeys-api`): only a counted layout needs it. TAKE2's keys are one range with
+    /// a step (arguments 1 to 4, every third), a legacy key range and one key spec, so
+    /// the server finds both (CROSSSLOT for two slots, ACL checks on each) and a generic
+    /// cluster client routes it from `COMMAND` alone, without `COMMAND GETKEYS` (a
+    /// command answering lookups itself is flagged `movablekeys`). A counted layout has
+    /// no fixed range, and with a step its key specs cannot say it either: servers read
+    /// a key count as a count of arguments.
     fn declared_by_module(&self) -> bool {
-        !matches!(self, KeyLayout::Single)
+        matches!(self, KeyLayout::Counted { .. })
     }
 }
 
@@ -182,6 +188,9 @@ impl Arg {
         }
     }
 }
+
+/// `[ID request-id]`, on every command that counts.
+pub const ID_ARG: Arg = Arg::string(c"request-id").token(c"ID").optional();
 
 /// `args` as the server's argument table: NULL-name terminated arrays, nested ones kept
 /// alive in `arena` until the server has copied them.
@@ -359,9 +368,61 @@ impl Ctx {
                 [a, b, c, d, e, f] => {
                     replicate(ctx, command, c"sssssss".as_ptr(), key, a, b, c, d, e, f)
                 }
+                [a, b, c, d, e, f, g, h] => replicate(
+                    ctx,
+                    command,
+                    c"sssssssss".as_ptr(),
+                    key,
+                    a,
+                    b,
+                    c,
+                    d,
+                    e,
+                    f,
+                    g,
+                    h,
+                ),
                 _ => replicate(ctx, command, c"sv".as_ptr(), key, args.as_ptr(), args.len()),
             };
         }
+    }
+
+    /// Replicates `command key arg`, as `replicate` does, from the argument's bytes (see
+    /// `replicate_set_pxat`).
+    pub fn replicate_bytes(&self, command: &CStr, key: RawString, arg: &[u8]) {
+        // SAFETY: as for replicate_set_pxat.
+        unsafe {
+            raw::RedisModule_Replicate.unwrap()(
+                self.0,
+                command.as_ptr(),
+                c"sb".as_ptr(),
+                key,
+                arg.as_ptr(),
+                arg.len(),
+            )
+        };
+    }
+
+    /// Replicates `SET key value PXAT at`, as `replicate` does, from the bytes of the
+    /// value and of the time: the server makes their strings itself, which saves making
+    /// and freeing a module string of each (and its own formatting of an integer
+    /// argument costs more than a string made from digits).
+    pub fn replicate_set_pxat(&self, key: RawString, value: &[u8], pxat: RawString, at: &[u8]) {
+        // SAFETY: the API table is filled in at load and never changes afterwards; "s" is
+        // a live string, "b" a buffer and its length.
+        unsafe {
+            raw::RedisModule_Replicate.unwrap()(
+                self.0,
+                c"SET".as_ptr(),
+                c"sbsb".as_ptr(),
+                key,
+                value.as_ptr(),
+                value.len(),
+                pxat,
+                at.as_ptr(),
+                at.len(),
+            )
+        };
     }
 
     /// Fires a keyspace notification, as the equivalent plain command would.
@@ -407,14 +468,13 @@ impl Ctx {
         }
     }
 
-    /// Answers the server's question of where the keys are (getkeys-api), without
-    /// running the command.
+    /// Answers the server's question of where the keys are (getkeys-api, a counted
+    /// layout's only), without running the command.
     fn declare_keys(&self, args: &RawArgs, layout: &KeyLayout) {
-        let positions = match *layout {
-            KeyLayout::Single => vec![1],
-            KeyLayout::FirstAndFourth => vec![1, 4],
-            KeyLayout::Counted { step } => counted_key_positions(args, step, MAX_COUNTED_KEYS),
+        let KeyLayout::Counted { step } = *layout else {
+            return;
         };
+        let positions = counted_key_positions(args, step, MAX_COUNTED_KEYS);
         for position in positions.into_iter().filter(|&p| p < args.len()) {
             // SAFETY: a position within the call's arguments.
             unsafe { raw::RedisModule_KeyAtPos.unwrap()(self.0, position as c_int) };
@@ -578,10 +638,8 @@ pub fn register<C: Command>(
     let flags = || KeySpecFlags::from_bits_retain(flag_bits | incomplete);
     let specs = match C::KEYS {
         KeyLayout::Single => vec![(1, FindKeys::new_range(0, 1, 0))],
-        KeyLayout::FirstAndFourth => vec![
-            (1, FindKeys::new_range(0, 1, 0)),
-            (4, FindKeys::new_range(0, 1, 0)),
-        ],
+        // From argument 1, up to 3 further, every third: 1 and 4.
+        KeyLayout::FirstAndFourth => vec![(1, FindKeys::new_range(3, 3, 0))],
         // The count at argument 1, the first key right after it. Servers read a count
         // as a number of arguments, not of keys, so with a step the spec finds only
         // some keys: marked incomplete, it sends lookups to the command itself.

@@ -10,6 +10,7 @@ use std::ffi::{c_int, CStr};
 use std::ptr;
 use std::sync::OnceLock;
 
+use qag_core::number::{format_signed, NumberBuffer};
 use redis_module::raw;
 
 use crate::command::{string_bytes, CommandError, Ctx};
@@ -18,7 +19,7 @@ use crate::command::{string_bytes, CommandError, Ctx};
 pub type RawString = *mut raw::RedisModuleString;
 
 /// The most fields one `set_fields` writes.
-const MAX_FIELDS: usize = 4;
+const MAX_FIELDS: usize = 8;
 
 /// HashGet and HashSet flags: field names are server strings.
 const NONE: c_int = raw::REDISMODULE_HASH_NONE as c_int;
@@ -50,6 +51,9 @@ pub struct Key<'ctx> {
     exists: bool,
     /// Whether anything was written, so that closing signals the key as modified.
     written: bool,
+    /// The key's expiry (-1: none) when known without asking the server: a key that
+    /// was missing when opened, or whose expiry this handle set.
+    known_expiry: Option<i64>,
 }
 
 #[derive(Clone, Copy)]
@@ -95,6 +99,7 @@ impl<'ctx> Key<'ctx> {
             name,
             exists: key_type == expected_type,
             written: false,
+            known_expiry: (key_type == raw::REDISMODULE_KEYTYPE_EMPTY).then_some(-1),
         };
         if key_type != raw::REDISMODULE_KEYTYPE_EMPTY && key_type != expected_type {
             return Err(CommandError::WrongType);
@@ -102,21 +107,45 @@ impl<'ctx> Key<'ctx> {
         Ok(key)
     }
 
-    /// Reads `N` fields, two to a call; each is None when missing.
+    /// Reads `N` fields, four to a call; each is None when missing.
     pub fn hash_get<const N: usize>(&self, fields: [RawString; N]) -> [Option<OwnedString>; N] {
         let mut values = [ptr::null_mut::<raw::RedisModuleString>(); N];
         if self.exists {
-            for (names, outs) in fields.chunks(2).zip(values.chunks_mut(2)) {
+            for (names, outs) in fields.chunks(4).zip(values.chunks_mut(4)) {
                 // SAFETY: the API table is filled in at load and never changes.
                 let get = unsafe { raw::RedisModule_HashGet.unwrap() };
                 // SAFETY: field names each followed by an out pointer, ended by NULL.
                 unsafe {
                     match (names, outs) {
+                        ([a, b, c, d], [va, vb, vc, vd]) => get(
+                            self.raw,
+                            NONE,
+                            *a,
+                            va as *mut _,
+                            *b,
+                            vb as *mut _,
+                            *c,
+                            vc as *mut _,
+                            *d,
+                            vd as *mut _,
+                            END,
+                        ),
+                        ([a, b, c], [va, vb, vc]) => get(
+                            self.raw,
+                            NONE,
+                            *a,
+                            va as *mut _,
+                            *b,
+                            vb as *mut _,
+                            *c,
+                            vc as *mut _,
+                            END,
+                        ),
                         ([a, b], [va, vb]) => {
                             get(self.raw, NONE, *a, va as *mut _, *b, vb as *mut _, END)
                         }
                         ([a], [va]) => get(self.raw, NONE, *a, va as *mut _, END),
-                        _ => unreachable!("chunks of two"),
+                        _ => unreachable!("chunks of four"),
                     };
                 }
             }
@@ -124,25 +153,32 @@ impl<'ctx> Key<'ctx> {
         values.map(|v| OwnedString::adopt(self.ctx, v))
     }
 
-    /// Writes `N` fields (name, value), two to a call, creating the hash if needed;
-    /// replicated as one `HSET`.
-    pub fn set_fields<const N: usize>(&mut self, fields: [(RawString, RawString); N]) {
-        const {
-            assert!(
-                N <= MAX_FIELDS,
-                "set_fields replicates at most MAX_FIELDS fields"
-            )
-        };
+    /// Writes up to MAX_FIELDS fields (name, value), four to a call, creating the hash
+    /// if needed; replicated as one `HSET`. No fields: nothing is written.
+    pub fn set_fields(&mut self, fields: &[(RawString, RawString)]) {
+        assert!(
+            fields.len() <= MAX_FIELDS,
+            "set_fields replicates at most MAX_FIELDS fields"
+        );
+        if fields.is_empty() {
+            return;
+        }
         // SAFETY: the API table is filled in at load and never changes.
         let set = unsafe { raw::RedisModule_HashSet.unwrap() };
-        for pair in fields.chunks(2) {
+        for chunk in fields.chunks(4) {
             // SAFETY: field names each followed by a value, ended by NULL; the server
             // copies both.
             unsafe {
-                match pair {
+                match chunk {
+                    [(a, va), (b, vb), (c, vc), (d, vd)] => {
+                        set(self.raw, NONE, *a, *va, *b, *vb, *c, *vc, *d, *vd, END)
+                    }
+                    [(a, va), (b, vb), (c, vc)] => {
+                        set(self.raw, NONE, *a, *va, *b, *vb, *c, *vc, END)
+                    }
                     [(a, va), (b, vb)] => set(self.raw, NONE, *a, *va, *b, *vb, END),
                     [(a, va)] => set(self.raw, NONE, *a, *va, END),
-                    _ => unreachable!("chunks of two"),
+                    _ => unreachable!("chunks of four"),
                 };
             }
         }
@@ -152,7 +188,7 @@ impl<'ctx> Key<'ctx> {
             argv[2 * i] = *field;
             argv[2 * i + 1] = *value;
         }
-        self.replicate(c"HSET", &argv[..2 * N]);
+        self.replicate(c"HSET", &argv[..2 * fields.len()]);
         self.notify(raw::REDISMODULE_NOTIFY_HASH, c"hset");
         self.written = true;
     }
@@ -182,29 +218,45 @@ impl<'ctx> Key<'ctx> {
     /// The names of the hash's fields that `select` picks, copied out of the hash so
     /// that the caller may then delete them.
     pub fn hash_fields_where(&self, select: &dyn Fn(&[u8]) -> bool) -> Vec<OwnedString> {
+        self.hash_entries_where(select)
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect()
+    }
+
+    /// The fields (name and value) that `select` picks by name, copied out of the hash.
+    pub fn hash_entries_where(
+        &self,
+        select: &dyn Fn(&[u8]) -> bool,
+    ) -> Vec<(OwnedString, OwnedString)> {
         struct Scan<'a> {
             ctx: &'a Ctx,
             select: &'a dyn Fn(&[u8]) -> bool,
-            picked: Vec<OwnedString>,
+            picked: Vec<(OwnedString, OwnedString)>,
         }
         extern "C" fn visit(
             _key: *mut raw::RedisModuleKey,
             field: RawString,
-            _value: RawString,
+            value: RawString,
             scan: *mut std::ffi::c_void,
         ) {
             // SAFETY: `scan` is the Scan below, alive for the whole ScanKey call; the
-            // field lives for this callback, and is copied before it ends.
+            // field and value live for this callback, and are copied before it ends.
             let scan = unsafe { &mut *scan.cast::<Scan>() };
             let name = unsafe { string_bytes(field) };
             // A panic must not unwind into the server: a field it fails on is skipped.
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (scan.select)(name)))
                 .unwrap_or(false)
             {
-                let copy = unsafe {
-                    raw::RedisModule_CreateStringFromString.unwrap()(scan.ctx.raw(), field)
+                let copy = |s: RawString| unsafe {
+                    raw::RedisModule_CreateStringFromString.unwrap()(scan.ctx.raw(), s)
                 };
-                scan.picked.extend(OwnedString::adopt(scan.ctx, copy));
+                if let (Some(name), Some(value)) = (
+                    OwnedString::adopt(scan.ctx, copy(field)),
+                    OwnedString::adopt(scan.ctx, copy(value)),
+                ) {
+                    scan.picked.push((name, value));
+                }
             }
         }
         let mut scan = Scan {
@@ -253,19 +305,54 @@ impl<'ctx> Key<'ctx> {
     }
 
     /// Sets a string key to `value`, expiring at `at_millis` (Unix milliseconds);
-    /// replicated as one `SET key value PXAT at`, which fires `set` and `expire`.
-    pub fn set_string_expiring_at(&mut self, value: RawString, at_millis: i64) {
-        // SAFETY: a key open for writing, empty or a string; the server copies `value`.
-        unsafe {
-            raw::RedisModule_StringSet.unwrap()(self.raw, value);
-            raw::RedisModule_SetAbsExpire.unwrap()(self.raw, at_millis);
+    /// replicated as one `SET key value PXAT at`, which fires `set` and `expire`. The
+    /// value is written through the key's buffer: an existing string is rewritten in
+    /// place, as SET overwrites a value, so the key keeps its LRU/LFU state and fires no
+    /// `new` (setting it anew would delete and re-add it); a missing key is created at
+    /// the value's length (firing `new`, as SET does). Either way the value is a raw
+    /// string, which the next call reads in place (a read of a string embedded in its
+    /// object, as SET leaves a short one, first copies it to a raw one).
+    pub fn set_string_expiring_at(&mut self, value: &[u8], at_millis: i64) {
+        if !self.rewrite_string(value) {
+            let string = OwnedString::new(self.ctx, value);
+            // SAFETY: a key open for writing, empty or a string; the server copies it.
+            unsafe { raw::RedisModule_StringSet.unwrap()(self.raw, string.raw) };
         }
+        // SAFETY: a key open for writing that holds a string.
+        unsafe { raw::RedisModule_SetAbsExpire.unwrap()(self.raw, at_millis) };
         self.exists = true;
-        let at = OwnedString::from_integer(self.ctx, at_millis);
-        self.replicate(c"SET", &[value, PXAT.raw(), at.raw]);
+        self.known_expiry = Some(at_millis);
+        let mut at = NumberBuffer::new();
+        let at = format_signed(&mut at, at_millis).as_bytes();
+        self.ctx
+            .replicate_set_pxat(self.name, value, PXAT.raw(), at);
         self.notify(raw::REDISMODULE_NOTIFY_STRING, c"set");
         self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire");
         self.written = true;
+    }
+
+    /// Writes `value` through the string's buffer, resized first when the length
+    /// differs (which creates a missing key); false (nothing written) if the server gave
+    /// no buffer of that length.
+    fn rewrite_string(&mut self, value: &[u8]) -> bool {
+        let mode = raw::REDISMODULE_WRITE as c_int;
+        let mut len = 0usize;
+        // SAFETY: a key open for writing, empty or a string: the buffer is the key's own
+        // (unshared by the server for writing), `len` bytes long, until the key is
+        // written otherwise or closed; it is re-read after a truncate.
+        unsafe {
+            let dma = raw::RedisModule_StringDMA.unwrap();
+            let mut p = dma(self.raw, &mut len, mode);
+            if len != value.len() {
+                raw::RedisModule_StringTruncate.unwrap()(self.raw, value.len());
+                p = dma(self.raw, &mut len, mode);
+            }
+            if p.is_null() || len != value.len() {
+                return false;
+            }
+            ptr::copy_nonoverlapping(value.as_ptr(), p.cast::<u8>(), len);
+        }
+        true
     }
 
     /// The score of `member`, None when absent.
@@ -380,15 +467,20 @@ impl<'ctx> Key<'ctx> {
         self.move_expiry(current, at_millis);
     }
 
-    /// Sets the key's expiry to what `decide` makes of the one it has (-1: none); as
-    /// `expire_at`, nothing is written when that is the one it has.
-    pub fn expire_given(&mut self, decide: impl FnOnce(i64) -> i64) {
+    /// Sets the key's expiry to what `decide` makes of the one it has (-1: none), the
+    /// key at hand for what else it needs to know; as `expire_at`, nothing is written
+    /// when that is the one it has.
+    pub fn expire_given(&mut self, decide: impl FnOnce(i64, &Self) -> i64) {
         let current = self.expiry();
-        self.move_expiry(current, decide(current));
+        let at = decide(current, self);
+        self.move_expiry(current, at);
     }
 
     /// The key's absolute expiry in Unix milliseconds, -1 when it has none.
     fn expiry(&self) -> i64 {
+        if let Some(known) = self.known_expiry {
+            return known;
+        }
         // SAFETY: an open, existing key.
         unsafe { raw::RedisModule_GetAbsExpire.unwrap()(self.raw) }
     }
@@ -400,16 +492,20 @@ impl<'ctx> Key<'ctx> {
         }
         // SAFETY: as above.
         unsafe { raw::RedisModule_SetAbsExpire.unwrap()(self.raw, at_millis) };
-        let at = OwnedString::from_integer(self.ctx, at_millis);
-        self.replicate(c"PEXPIREAT", &[at.raw]);
+        self.known_expiry = Some(at_millis);
+        let mut at = NumberBuffer::new();
+        let at = format_signed(&mut at, at_millis).as_bytes();
+        self.ctx.replicate_bytes(c"PEXPIREAT", self.name, at);
         self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"expire");
         self.written = true;
     }
 
     /// Fires `del` when a removal emptied the key, as the plain command does after its
     /// own event.
-    fn notify_if_deleted(&self) {
+    fn notify_if_deleted(&mut self) {
         if !self.exists {
+            // Deleted with its expiry: a value written again has none.
+            self.known_expiry = Some(-1);
             self.notify(raw::REDISMODULE_NOTIFY_GENERIC, c"del");
         }
     }

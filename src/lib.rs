@@ -6,6 +6,7 @@ mod command;
 mod key;
 mod lease;
 mod quota;
+mod replay;
 mod stats;
 mod testing;
 mod throttle;
@@ -118,6 +119,7 @@ fn missing_api() -> Option<&'static str> {
             ("StringDMA", { RedisModule_StringDMA }.is_some()),
             ("StringPtrLen", { RedisModule_StringPtrLen }.is_some()),
             ("StringSet", { RedisModule_StringSet }.is_some()),
+            ("StringTruncate", { RedisModule_StringTruncate }.is_some()),
             ("ValueLength", { RedisModule_ValueLength }.is_some()),
             ("ZsetAdd", { RedisModule_ZsetAdd }.is_some()),
             (
@@ -161,6 +163,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     key::init();
     bucket::init();
     quota::init();
+    window::init();
     let words: Vec<&[u8]> = args.iter().map(RedisString::as_slice).collect();
     let options = match qag_core::load::parse_load_args(&words) {
         Ok(options) => options,
@@ -173,6 +176,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     };
     let (test_commands, cl_throttle) = (options.test_commands, options.cl_throttle);
     throttle::set_skew_seconds(options.throttle_skew_seconds);
+    replay::init(options.id_seconds, options.id_max);
     stats::clear();
     let mut features = Features {
         qag_category: add_acl_category(ctx),
@@ -213,7 +217,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         false => "not supported by this server",
     };
     ctx.log_notice(&format!(
-        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, {}, THROTTLE-SKEW {} s, clock {}",
+        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, {}, THROTTLE-SKEW {} s, request ids kept {} s (at most {} a key), clock {}",
         VERSION.to_string_lossy(),
         supported(features.command_info, "registered"),
         supported(features.acl_categories, "set"),
@@ -226,6 +230,8 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
             false => "CL.THROTTLE left to redis-cell (load with CL-THROTTLE to take it)",
         },
         options.throttle_skew_seconds,
+        options.id_seconds,
+        options.id_max,
         command::clock_name().to_string_lossy(),
     ));
     Status::Ok

@@ -2,11 +2,14 @@
 //! the current calendar period lives in a hash: `period` (its label), `calls`, `rows`.
 
 use std::ffi::CStr;
+use std::ptr;
 
+use qag_core::number::{format_signed, NumberBuffer};
 use qag_core::quota::{self, Period, QuotaArgs, Usage};
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row};
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row, ID_ARG};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
+use crate::replay::{Remembered, RequestId};
 use crate::stats::CallCounters;
 
 static PERIOD: FieldName = FieldName::new("period");
@@ -20,12 +23,13 @@ pub fn init() {
     ROWS.create();
 }
 
-/// A quota key opened for one call, with the period the call counts into and the
-/// usage stored for it.
+/// A quota key opened for one call, with the period the call counts into, the usage
+/// stored for it, and the stored fields (period, calls, rows) as read.
 struct Quota<'ctx> {
     key: Key<'ctx>,
     period: Period,
     usage: Usage,
+    stored: [Option<OwnedString>; 3],
 }
 
 impl<'ctx> Quota<'ctx> {
@@ -36,7 +40,8 @@ impl<'ctx> Quota<'ctx> {
         access: Access,
     ) -> Result<Self, CommandError> {
         let key = Key::open(ctx, args.string(call.key), access, ValueType::Hash)?;
-        let [label, calls, rows] = key.hash_get([PERIOD.raw(), CALLS.raw(), ROWS.raw()]);
+        let stored = key.hash_get([PERIOD.raw(), CALLS.raw(), ROWS.raw()]);
+        let [label, calls, rows] = &stored;
         let label = label.as_ref().map(OwnedString::bytes);
         let period = quota::counting_period(call.per, &call.zone, ctx.now_micros(), label).ok_or(
             CommandError::Refused("ERR the server clock is outside the calendar's range"),
@@ -47,29 +52,51 @@ impl<'ctx> Quota<'ctx> {
             rows.as_ref().map(OwnedString::bytes),
             &period,
         );
-        Ok(Quota { key, period, usage })
+        Ok(Quota {
+            key,
+            period,
+            usage,
+            stored,
+        })
     }
 
-    /// Writes `usage` when it changes a count (else nothing), and replies it.
-    fn count(&mut self, ctx: &Ctx, usage: Usage) -> Reply {
-        match quota::to_write(self.usage, usage) {
-            Some(usage) => self.write(ctx, usage),
-            None => Reply::Array([usage.calls, usage.rows, self.period.end].into()),
+    /// Writes `usage` when it changes a count, and the request id the call remembers
+    /// (else nothing), in one HSET, with the key's expiry a day after the period ends
+    /// (longer than any id is kept); replies it. Of the three usage fields, only those
+    /// whose stored text is not already the one to write (an ADD of calls in the same
+    /// period writes `calls` alone), which leaves the hash as writing all three would.
+    fn count(&mut self, ctx: &Ctx, usage: Usage, id: Option<RequestId>, now_millis: i64) -> Reply {
+        let reply = Reply::Array([usage.calls, usage.rows, self.period.end].into());
+        let remembered = id.map(|id| id.remember(ctx, &mut self.key, &reply, now_millis));
+        let mut fields = [(ptr::null_mut(), ptr::null_mut()); 5];
+        let mut written = 0;
+        for field in remembered.iter().flat_map(Remembered::fields) {
+            fields[written] = field;
+            written += 1;
         }
-    }
-
-    /// Writes the period's usage and the key's expiry, a day after the period ends.
-    fn write(&mut self, ctx: &Ctx, usage: Usage) -> Reply {
-        let label = OwnedString::new(ctx, self.period.label.as_bytes());
-        let calls = OwnedString::from_integer(ctx, usage.calls);
-        let rows = OwnedString::from_integer(ctx, usage.rows);
-        self.key.set_fields([
-            (PERIOD.raw(), label.raw),
-            (CALLS.raw(), calls.raw),
-            (ROWS.raw(), rows.raw),
-        ]);
-        self.key.expire_at(self.period.expire_at_millis());
-        Reply::Array([usage.calls, usage.rows, self.period.end].into())
+        let (mut calls_text, mut rows_text) = (NumberBuffer::new(), NumberBuffer::new());
+        let mut values: [Option<OwnedString>; 3] = [None, None, None];
+        if let Some(usage) = quota::to_write(self.usage, usage) {
+            let texts = [
+                self.period.label.as_bytes(),
+                format_signed(&mut calls_text, usage.calls).as_bytes(),
+                format_signed(&mut rows_text, usage.rows).as_bytes(),
+            ];
+            let names = [PERIOD.raw(), CALLS.raw(), ROWS.raw()];
+            for (i, text) in texts.into_iter().enumerate() {
+                if self.stored[i].as_ref().map(OwnedString::bytes) != Some(text) {
+                    let value = OwnedString::new(ctx, text);
+                    fields[written] = (names[i], value.raw);
+                    values[i] = Some(value);
+                    written += 1;
+                }
+            }
+        }
+        if written > 0 {
+            self.key.set_fields(&fields[..written]);
+            self.key.expire_at(self.period.expire_at_millis());
+        }
+        reply
     }
 }
 
@@ -81,6 +108,15 @@ const QUOTA_ARGS: &[Arg] = &[
     Arg::string(c"zone").token(c"TZ"),
     Arg::integer(c"calls").token(c"CALLS").optional(),
     Arg::integer(c"rows").token(c"ROWS").optional(),
+];
+
+const ADD_ARGS: &[Arg] = &[
+    QUOTA_ARGS[0],
+    QUOTA_ARGS[1],
+    QUOTA_ARGS[2],
+    QUOTA_ARGS[3],
+    QUOTA_ARGS[4],
+    ID_ARG,
 ];
 
 static CHECK: CallCounters = CallCounters::new();
@@ -104,7 +140,7 @@ impl Command for Check {
     const OUTCOMES: &'static [&'static str] = &["allowed", "refused"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
-        let call = quota::parse_quota(args)?;
+        let call = quota::parse_quota(args, false)?;
         let quota = Quota::open(ctx, args, &call, Access::Read)?;
         let check = quota::check(quota.usage, call.limits());
         CHECK.allowed_or_refused(check.allowed);
@@ -117,7 +153,7 @@ impl Command for Check {
     }
 }
 
-/// QAG.QUOTA.ADD key PER day|month TZ zone CALLS n ROWS m
+/// QAG.QUOTA.ADD key PER day|month TZ zone CALLS n ROWS m [ID request-id]
 pub struct Add;
 
 impl Command for Add {
@@ -129,16 +165,23 @@ impl Command for Add {
     const SUMMARY: &'static CStr =
         c"Counts a call's calls and rows into the current period; replies [calls used, rows used, resets at]";
     const COMPLEXITY: &'static CStr = c"O(1)";
-    const ARGS: &'static [Arg] = QUOTA_ARGS;
+    const ARGS: &'static [Arg] = ADD_ARGS;
     const COUNTERS: &'static CallCounters = &ADD;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
-        let call = quota::parse_quota(args)?;
+        let call = quota::parse_quota(args, true)?;
         let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
+        let now_millis = ctx.now_micros() / 1000;
+        let id = call
+            .id
+            .map(|index| RequestId::read(ctx, &quota.key, "quota.add", args, index, now_millis));
+        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+            return Ok(reply);
+        }
         let usage = quota::add(quota.usage, call.counts()).ok_or(CommandError::Refused(
             "ERR the count would overflow; nothing was added",
         ))?;
-        Ok(quota.count(ctx, usage))
+        Ok(quota.count(ctx, usage, id, now_millis))
     }
 }
 
@@ -158,9 +201,9 @@ impl Command for Seed {
     const COUNTERS: &'static CallCounters = &SEED;
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
-        let call = quota::parse_quota(args)?;
+        let call = quota::parse_quota(args, false)?;
         let mut quota = Quota::open(ctx, args, &call, Access::ReadWrite)?;
         let usage = quota::seed(quota.usage, call.counts());
-        Ok(quota.count(ctx, usage))
+        Ok(quota.count(ctx, usage, None, 0))
     }
 }

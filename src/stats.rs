@@ -73,9 +73,18 @@ struct Shown {
 
 static REGISTERED: Mutex<Vec<Shown>> = Mutex::new(Vec::new());
 
+/// Calls of any command answered with the reply remembered under their request id.
+static REPLAYS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a call answered from its request id's remembered reply.
+pub fn replayed() {
+    REPLAYS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Forgets the commands of an earlier load, so a module loaded again starts from zero.
 pub fn clear() {
     lock().clear();
+    REPLAYS.store(0, Ordering::Relaxed);
 }
 
 /// Shows `counters`, from zero, under the command's name after `qag.` with dots as
@@ -125,6 +134,7 @@ pub extern "C" fn info(ctx: *mut raw::RedisModuleInfoCtx, _for_crash_report: c_i
                 crate::command::clock_name().as_ptr(),
             );
             let add = raw::RedisModule_InfoAddFieldULongLong.unwrap();
+            add(ctx, c"replays".as_ptr(), REPLAYS.load(Ordering::Relaxed));
             for shown in lock().iter() {
                 let c = shown.counters;
                 add(ctx, shown.calls.as_ptr(), c.calls.load(Ordering::Relaxed));

@@ -3,13 +3,13 @@
 //! is loaded with `CL-THROTTLE`.
 
 use std::ffi::CStr;
-use std::io::Write;
 use std::sync::atomic::{AtomicI64, Ordering};
 
+use qag_core::number::{format_integer, NumberBuffer};
 use qag_core::throttle::{self, ThrottleArgs};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
-use crate::key::{Access, Key, OwnedString, ValueType};
+use crate::key::{Access, Key, ValueType};
 use crate::stats::CallCounters;
 
 /// THROTTLE-SKEW, in seconds: set once when the module loads.
@@ -57,18 +57,11 @@ fn throttle_call(
     let outcome = throttle::throttle(&call, stored, now, skew)
         .map_err(|e| CommandError::Refused(e.message()))?;
     if let Some(tat) = outcome.write {
-        // Made from its digits, as redis-cell writes it: a short string kept in one
-        // allocation with its object, where an integer-encoded one would be re-made as
-        // a separate string by the next read.
-        let mut digits = [0u8; 20];
-        let len = {
-            let mut out = &mut digits[..];
-            // Twenty digits hold any u64.
-            let _ = write!(out, "{tat}");
-            20 - out.len()
-        };
-        let value = OwnedString::new(ctx, &digits[..len]);
-        key.set_string_expiring_at(value.raw, throttle::expire_at_millis(tat));
+        // Its decimal digits, as redis-cell writes it: a string, rewritten in place on
+        // an existing key, never an integer-encoded value a read would have to re-make.
+        let mut digits = NumberBuffer::new();
+        let value = format_integer(&mut digits, tat).as_bytes();
+        key.set_string_expiring_at(value, throttle::expire_at_millis(tat));
     }
     counters.allowed_or_refused(!outcome.limited);
     Ok(Reply::Array(outcome.as_reply().into()))

@@ -2,35 +2,93 @@
 //! across a chain of scopes, each a hash with fields `req:<n>` and `tok:<n>` for window
 //! number n.
 
+use std::cell::RefCell;
 use std::ffi::CStr;
+use std::ptr;
 
 use qag_core::number::stored_count;
-use qag_core::window::{self, Clock, Counters, FieldName, Kind};
+use qag_core::window::{self, Clock, Counters, FieldName, Hold, Holds, Kind};
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
-use crate::key::{Access, Key, OwnedString, ValueType};
+use qag_core::args::ArgList;
+use qag_core::replay::{self as replay_core, Reserved};
+use redis_module::raw;
+
+use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
+use crate::key::{Access, FieldName as SharedName, Key, OwnedString, RawString, ValueType};
+use crate::replay::{self, Remembered, RequestId, Reservation};
 use crate::stats::CallCounters;
+
+static HOLDS: SharedName = SharedName::new("holds");
+
+/// Makes the field name; called once when the module loads.
+pub fn init() {
+    HOLDS.create();
+}
 
 /// The call's clock and the field names it reads and writes: the current and previous
 /// windows'. The same for every scope, so made once per call.
 struct Fields {
     clock: Clock,
-    requests: OwnedString,
-    previous_requests: OwnedString,
-    tokens: OwnedString,
-    previous_tokens: OwnedString,
+    requests: RawString,
+    previous_requests: RawString,
+    tokens: RawString,
+    previous_tokens: RawString,
+}
+
+/// The four field names of the window made last, kept from call to call: they change
+/// once a window, and making them is four server strings a call.
+struct WindowNames {
+    window: i64,
+    /// req:n, req:n-1, tok:n, tok:n-1; strings of no context, freed when replaced.
+    names: [RawString; 4],
+}
+
+thread_local! {
+    // Commands run on the server's main thread only.
+    static NAMES: RefCell<Option<WindowNames>> = const { RefCell::new(None) };
 }
 
 impl Fields {
-    fn new(ctx: &Ctx, clock: Clock) -> Fields {
+    fn new(clock: Clock) -> Fields {
         let n = clock.window();
-        let name = |kind, window| OwnedString::new(ctx, FieldName::new(kind, window).as_bytes());
+        let [requests, previous_requests, tokens, previous_tokens] =
+            NAMES.with_borrow_mut(|kept| {
+                if let Some(kept) = kept.as_ref().filter(|kept| kept.window == n) {
+                    return kept.names;
+                }
+                let name = |kind, window| {
+                    let text = FieldName::new(kind, window);
+                    // SAFETY: a buffer of the given length; a NULL context makes a string
+                    // that lives until freed.
+                    unsafe {
+                        raw::RedisModule_CreateString.unwrap()(
+                            ptr::null_mut(),
+                            text.as_bytes().as_ptr().cast(),
+                            text.as_bytes().len(),
+                        )
+                    }
+                };
+                let names = [
+                    name(Kind::Requests, n),
+                    name(Kind::Requests, n - 1),
+                    name(Kind::Tokens, n),
+                    name(Kind::Tokens, n - 1),
+                ];
+                if let Some(old) = kept.replace(WindowNames { window: n, names }) {
+                    for name in old.names {
+                        // SAFETY: made above with no context, used by no call now running
+                        // (the server holds its own references to what it keeps).
+                        unsafe { raw::RedisModule_FreeString.unwrap()(ptr::null_mut(), name) };
+                    }
+                }
+                names
+            });
         Fields {
             clock,
-            requests: name(Kind::Requests, n),
-            previous_requests: name(Kind::Requests, n - 1),
-            tokens: name(Kind::Tokens, n),
-            previous_tokens: name(Kind::Tokens, n - 1),
+            requests,
+            previous_requests,
+            tokens,
+            previous_tokens,
         }
     }
 }
@@ -54,7 +112,7 @@ impl<'ctx> Chain<'ctx> {
         let keys = keys
             .map(|index| Key::open(ctx, args.string(index), Access::ReadWrite, ValueType::Hash))
             .collect::<Result<Vec<_>, _>>()?;
-        let fields = Fields::new(ctx, clock);
+        let fields = Fields::new(clock);
         let scopes = keys.iter().map(|key| Scope::read(key, &fields)).collect();
         Ok(Chain {
             keys,
@@ -63,71 +121,186 @@ impl<'ctx> Chain<'ctx> {
         })
     }
 
-    /// Sets one current counter of every scope, in order, to `values`.
-    fn write(&mut self, ctx: &Ctx, counter: Kind, values: Vec<i64>) {
-        for ((key, scope), value) in self.keys.iter_mut().zip(&self.scopes).zip(values) {
-            scope.write(ctx, key, &self.fields, counter, value);
+    fn now_millis(&self) -> i64 {
+        self.fields.clock.now_micros / 1000
+    }
+
+    /// The request id of a call of `command`, read from the first scope's key.
+    fn request_id(
+        &self,
+        ctx: &Ctx,
+        command: &str,
+        args: &RawArgs,
+        id: Option<usize>,
+    ) -> Option<RequestId> {
+        let now = self.now_millis();
+        id.map(|index| RequestId::read(ctx, &self.keys[0], command, args, index, now))
+    }
+
+    /// Sets one current counter of every scope, in order, to `values`, and writes what
+    /// else each scope changed; `first` are fields to write in the first key too (what
+    /// the call remembers there), which is then kept at least until `keep_first`.
+    fn write(
+        &mut self,
+        ctx: &Ctx,
+        counter: Kind,
+        values: Vec<i64>,
+        first: &[(RawString, RawString)],
+        keep_first: i64,
+    ) {
+        let scopes = self.keys.iter_mut().zip(&mut self.scopes).zip(values);
+        for (i, ((key, scope), value)) in scopes.enumerate() {
+            let (extra, keep) = match i {
+                0 => (first, keep_first),
+                _ => (&[][..], 0),
+            };
+            scope.write(ctx, key, &self.fields, counter, value, extra, keep);
         }
     }
 }
 
-/// A scope as read: its counters, and which of the four counter fields its hash holds.
+/// A scope as read: its counters, which of the four counter fields its hash holds, and
+/// its open reservations.
 struct Scope {
     counters: Counters,
     has_requests: bool,
     has_tokens: bool,
-    held: usize,
+    counted: usize,
+    /// Its open reservations (the `holds` field), and whether the call changed them.
+    holds: Holds,
+    holds_changed: bool,
+    /// Whether the hash holds reservations or request ids beside its counters.
+    has_extras: bool,
+    /// Whether it remembers request ids.
+    has_ids: bool,
 }
 
 impl Scope {
     fn read(key: &Key, fields: &Fields) -> Scope {
         let values = key.hash_get([
-            fields.requests.raw,
-            fields.previous_requests.raw,
-            fields.tokens.raw,
-            fields.previous_tokens.raw,
+            fields.requests,
+            fields.previous_requests,
+            fields.tokens,
+            fields.previous_tokens,
         ]);
         let value = |i: usize| stored_count(values[i].as_ref().map(OwnedString::bytes));
-        Scope {
+        let counted = values.iter().flatten().count();
+        let mut scope = Scope {
             counters: Counters {
                 requests: value(0),
                 previous_requests: value(1),
                 tokens: value(2),
                 previous_tokens: value(3),
+                held: 0,
             },
             has_requests: values[0].is_some(),
             has_tokens: values[2].is_some(),
-            held: values.iter().flatten().count(),
+            counted,
+            holds: Holds::default(),
+            holds_changed: false,
+            has_extras: false,
+            has_ids: false,
+        };
+        // Only a hash with more than its counters can hold reservations or ids.
+        if key.len() > counted {
+            let [holds, ids] = key.hash_get([HOLDS.raw(), replay::SUMMARY.raw()]);
+            scope.has_extras = holds.is_some() || ids.is_some();
+            scope.has_ids = ids.is_some();
+            if let Some(holds) = holds {
+                scope.holds = Holds::parse(holds.bytes());
+                // Reservations that stopped counting go with the scope's next write.
+                scope.holds_changed = scope.holds.drop_closed(fields.clock.now_micros / 1000);
+                scope.counters.held = scope.holds.tokens();
+            }
         }
+        scope
     }
 
-    /// Sets one current counter, removes the scope's windows that no longer count (or
+    /// Holds `tokens` until `until` too.
+    fn hold(&mut self, tokens: i64, until: i64) {
+        self.holds.add(Hold { tokens, until });
+        self.holds_changed = true;
+    }
+
+    /// Releases `tokens` of a reservation held until `until`.
+    fn release(&mut self, until: i64, tokens: i64) {
+        self.holds.release(until, tokens);
+        self.holds_changed = true;
+    }
+
+    /// Sets one current counter, and, in the same HSET, the scope's reservations when
+    /// they changed and `extra`; removes the scope's windows that no longer count (or
     /// never will by this clock) and moves its expiry to the next window's end (see
-    /// `Clock::expiry_after_write`).
-    fn write(&self, ctx: &Ctx, key: &mut Key, fields: &Fields, counter: Kind, value: i64) {
-        if !self.counters.changes(counter, value) {
-            return;
-        }
+    /// `Clock::expiry_after_write`), later for the ids its hash remembers, and no earlier
+    /// than `keep_until`.
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &mut self,
+        ctx: &Ctx,
+        key: &mut Key,
+        fields: &Fields,
+        counter: Kind,
+        value: i64,
+        extra: &[(RawString, RawString)],
+        keep_until: i64,
+    ) {
+        let changes = self.counters.changes(counter, value);
         let (field, had) = match counter {
-            Kind::Requests => (&fields.requests, self.has_requests),
-            Kind::Tokens => (&fields.tokens, self.has_tokens),
+            Kind::Requests => (fields.requests, self.has_requests),
+            Kind::Tokens => (fields.tokens, self.has_tokens),
         };
         let value = OwnedString::from_integer(ctx, value);
-        key.set_fields([(field.raw, value.raw)]);
-        // A hash holding only the two counted windows' fields has nothing stale: the
-        // scan for stale fields is needed only when it holds more.
-        if key.len() > self.held + usize::from(!had) {
+        let holds = match self.holds_changed {
+            true => Some(self.holds.encode().map(|text| OwnedString::new(ctx, &text))),
+            false => None,
+        };
+        // The counter, the holds and what the call remembers: one HSET, on the stack.
+        let mut writes = [(ptr::null_mut(), ptr::null_mut()); 8];
+        let mut n = 0;
+        let held = match &holds {
+            Some(Some(holds)) => Some((HOLDS.raw(), holds.raw)),
+            _ => None,
+        };
+        let counter = changes.then_some((field, value.raw));
+        for write in counter.into_iter().chain(held).chain(extra.iter().copied()) {
+            writes[n] = write;
+            n += 1;
+        }
+        if n == 0 && !matches!(holds, Some(None)) {
+            return;
+        }
+        key.set_fields(&writes[..n]);
+        if let Some(None) = holds {
+            // Nothing held any more: the field goes.
+            let name = OwnedString::new(ctx, window::HOLDS_FIELD);
+            key.delete_fields(&[name.raw]);
+        }
+        let counted = self.counted + usize::from(changes && !had);
+        // A hash that holds more than its counted windows has stale ones, unless it
+        // holds reservations or ids too: then windows are looked for as they go stale,
+        // on a window's first write, not on every write.
+        if changes && key.len() > counted && (!had || !self.has_extras) {
             let stale = key.hash_fields_where(&|name| window::is_stale(name, &fields.clock));
             key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
         }
-        key.expire_given(|current| fields.clock.expiry_after_write(current));
+        let keep = match self.has_ids || keep_until > 0 {
+            true => replay::keep_until(fields.clock.now_micros / 1000),
+            false => 0,
+        };
+        key.expire_given(|current, _| {
+            fields
+                .clock
+                .expiry_after_write(current, keep)
+                .max(keep_until)
+        });
     }
 }
 
 static ADMIT: CallCounters = CallCounters::new();
 static RECORD: CallCounters = CallCounters::new();
 
-/// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds]
+/// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds] [RESERVE tokens]
+/// [ID request-id] [HOLD milliseconds]
 pub struct Admit;
 
 impl Command for Admit {
@@ -150,6 +323,9 @@ impl Command for Admit {
         )
         .multiple(),
         Arg::integer(c"seconds").token(c"WINDOW").optional(),
+        Arg::integer(c"tokens").token(c"RESERVE").optional(),
+        ID_ARG,
+        Arg::integer(c"milliseconds").token(c"HOLD").optional(),
     ];
     const COUNTERS: &'static CallCounters = &ADMIT;
     const OUTCOMES: &'static [&'static str] = &["allowed", "refused"];
@@ -158,26 +334,53 @@ impl Command for Admit {
         let call = window::parse_admit(args)?;
         let keys = call.scopes.iter().map(|(key, _)| *key);
         let mut chain = Chain::open(ctx, args, keys, call.window_seconds)?;
+        let id = chain.request_id(ctx, "admit", args, call.id);
+        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+            return Ok(reply);
+        }
         let state: Vec<_> = chain
             .scopes
             .iter()
             .zip(&call.scopes)
             .map(|(scope, (_, limits))| (*limits, scope.counters))
             .collect();
-        let admission = window::admit(&state, &chain.fields.clock);
+        let admission = window::admit(&state, &chain.fields.clock, call.reserve);
+        let reply = Reply::Array(admission.as_reply().into());
+        // A new id (a replay was answered above): its reservation is held on every
+        // scope, and remembered with the reply in the first key, where RECORD finds it.
+        let hold = (admission.admitted && call.reserve > 0).then(|| Reserved {
+            tokens: call.reserve,
+            until: chain.fields.clock.hold_expires_at(call.hold_millis),
+            chain: replay_core::chain_of(call.scopes.iter().map(|(key, _)| args.get(*key))),
+            charged: 0,
+        });
+        let now_millis = chain.now_millis();
+        let remembered =
+            id.map(|id| id.remember_holding(ctx, &mut chain.keys[0], &reply, hold, now_millis));
+        let first: Vec<_> = remembered.iter().flat_map(Remembered::fields).collect();
+        let keep_first = remembered.as_ref().map_or(0, |r| r.keep_until);
         if admission.admitted {
+            if let Some(hold) = hold {
+                for scope in chain.scopes.iter_mut() {
+                    scope.hold(hold.tokens, hold.until);
+                }
+            }
             let requests = state
                 .iter()
                 .map(|(_, counters)| counters.requests.saturating_add(1))
                 .collect();
-            chain.write(ctx, Kind::Requests, requests);
+            chain.write(ctx, Kind::Requests, requests, &first, keep_first);
+        } else if !first.is_empty() {
+            // A refusal writes no counter: only the id, kept its time.
+            chain.keys[0].set_fields(&first);
+            chain.keys[0].expire_given(|current, _| current.max(keep_first));
         }
         ADMIT.allowed_or_refused(admission.admitted);
-        Ok(Reply::Array(admission.as_reply().into()))
+        Ok(reply)
     }
 }
 
-/// QAG.RECORD numscopes key [key ...] tokens [WINDOW seconds]
+/// QAG.RECORD numscopes key [key ...] tokens [WINDOW seconds] [ID request-id [PARTIAL]]
 pub struct Record;
 
 impl Command for Record {
@@ -194,6 +397,8 @@ impl Command for Record {
         Arg::key(c"key", 0).multiple(),
         Arg::integer(c"tokens"),
         Arg::integer(c"seconds").token(c"WINDOW").optional(),
+        ID_ARG,
+        Arg::word(c"PARTIAL").optional(),
     ];
     const COUNTERS: &'static CallCounters = &RECORD;
 
@@ -201,16 +406,59 @@ impl Command for Record {
         let call = window::parse_record(args)?;
         let keys = call.keys.iter().copied();
         let mut chain = Chain::open(ctx, args, keys, call.window_seconds)?;
+        // A partial charge is one of many under the reservation's id: never a replay.
+        let id = match call.partial {
+            true => None,
+            false => chain.request_id(ctx, "record", args, call.id),
+        };
+        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+            return Ok(reply);
+        }
+        let now_millis = chain.now_millis();
+        // The reservation this charges, remembered by its ADMIT in the first key: a
+        // partial charge pays `tokens` early and releases as much of the hold; the commit
+        // charges its count, `tokens`, less what the partials paid, and releases the rest.
+        let keys = replay_core::chain_of(call.keys.iter().map(|key| args.get(*key)));
+        let reservation = call.id.and_then(|index| {
+            Reservation::find(ctx, &chain.keys[0], args, index, keys, now_millis)
+        });
+        // A commit settles the count: less than the partials paid (one sent twice) takes
+        // the difference back from the current window, down to nothing.
+        let charge = match (&reservation, call.partial) {
+            (Some(r), false) => call.tokens.saturating_sub(r.reserved.charged),
+            _ => call.tokens,
+        };
         // Every new count is computed, and checked, before any is written.
         let totals = chain
             .scopes
             .iter()
-            .map(|scope| scope.counters.tokens.checked_add(call.tokens))
+            .map(|scope| scope.counters.tokens.checked_add(charge).map(|t| t.max(0)))
             .collect::<Option<Vec<i64>>>()
             .ok_or(CommandError::Refused(
                 "ERR the token count would overflow; nothing was charged",
             ))?;
-        chain.write(ctx, Kind::Tokens, totals);
-        Ok(Reply::Integer(chain.keys.len() as i64))
+        // The ADMIT's record of the reservation, rewritten with what is left of it.
+        let settled = reservation.map(|reservation| {
+            let held = reservation.reserved;
+            let released = match (reservation.open, call.partial) {
+                (false, _) => 0,
+                (true, true) => call.tokens.min(held.tokens),
+                (true, false) => held.tokens,
+            };
+            for scope in chain.scopes.iter_mut() {
+                scope.release(held.until, released);
+            }
+            reservation.after(ctx, call.partial.then_some((call.tokens, released)))
+        });
+        let reply = Reply::Integer(chain.keys.len() as i64);
+        let remembered = id.map(|id| id.remember(ctx, &mut chain.keys[0], &reply, now_millis));
+        let first: Vec<_> = settled
+            .iter()
+            .map(|(field, value)| (field.raw, value.raw))
+            .chain(remembered.iter().flat_map(Remembered::fields))
+            .collect();
+        let keep_first = remembered.as_ref().map_or(0, |r| r.keep_until);
+        chain.write(ctx, Kind::Tokens, totals, &first, keep_first);
+        Ok(reply)
     }
 }

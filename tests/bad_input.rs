@@ -49,7 +49,11 @@ fn bad_calls() -> Vec<(Vec<&'static [u8]>, &'static str)> {
         ),
         (
             vec![take, b"K", b"5", b"60", b"COST", b"1", b"COST", b"2"],
-            "wrong number of arguments",
+            "COST given more than once",
+        ),
+        (
+            vec![take, b"K", b"5", b"60", b"ID", &[b'x'; 129]],
+            "ID must be 1 to 128 bytes",
         ),
         (
             vec![take, b"K", b"5", b"60", b"WEIGHT", b"1"],
@@ -155,7 +159,19 @@ fn bad_calls() -> Vec<(Vec<&'static [u8]>, &'static str)> {
             "numscopes must be an integer from 1 to 64",
         ),
         (vec![admit, b"2", b"B", b"1", b"1"], mismatch),
-        (vec![admit, b"1", b"B", b"1", b"1", b"O"], mismatch),
+        (
+            vec![admit, b"1", b"B", b"1", b"1", b"O"],
+            "syntax error: expected WINDOW seconds, RESERVE tokens, ID request-id or HOLD milliseconds",
+        ),
+        (
+            vec![admit, b"1", b"B", b"0", b"10", b"RESERVE", b"5"],
+            "RESERVE needs an ID to commit it by",
+        ),
+        (
+            vec![admit, b"1", b"B", b"0", b"10", b"RESERVE", b"11", b"ID", b"r"],
+            "RESERVE is above a scope's tpm",
+        ),
+        (vec![record, b"1", b"W", b"5", b"PARTIAL"], "PARTIAL needs the ID"),
         (vec![admit, b"1", b"B", b"-1", b"1"], limit_error),
         (vec![admit, b"1", b"B", b"1", b"nan"], limit_error),
         (
@@ -507,6 +523,11 @@ fn random_arguments_never_crash_the_server() {
         b"Europe/Berlin",
         b"CALLS",
         b"ROWS",
+        b"ID",
+        b"RESERVE",
+        b"HOLD",
+        b"PARTIAL",
+        b"WINDOW",
         b"",
         b" ",
         b"\x00",
@@ -519,7 +540,21 @@ fn random_arguments_never_crash_the_server() {
     .collect();
     // Each command with a valid call, as a template to mutate: B, O, Z, Q, W, T stand
     // for the keys below.
-    let templates: [(&str, &[&str]); 14] = [
+    let templates: [(&str, &[&str]); 20] = [
+        ("QAG.TAKE", &["B", "5", "60", "ID", "r1"]),
+        ("QAG.TAKE2", &["B", "5", "60", "O", "5", "60", "ID", "r1"]),
+        ("QAG.REFUND", &["B", "5", "60", "1", "ID", "r2"]),
+        (
+            "QAG.ADMIT",
+            &[
+                "1", "W", "0", "100", "RESERVE", "30", "ID", "r3", "HOLD", "500",
+            ],
+        ),
+        ("QAG.RECORD", &["1", "W", "25", "ID", "r3", "PARTIAL"]),
+        (
+            "QAG.QUOTA.ADD",
+            &["Q", "PER", "day", "TZ", "UTC", "CALLS", "1", "ID", "r4"],
+        ),
         ("QAG.THROTTLE", &["T", "5", "10", "3600", "1"]),
         (
             "QAG.ADMIT",

@@ -177,6 +177,7 @@ fn info_counts_every_call_error_and_decision() {
         ("throttle_refused", 1),
         ("test_panic_calls", 1),
         ("test_panic_errors", 1),
+        ("replays", 0),
     ]
     .into_iter()
     .collect();
@@ -344,29 +345,43 @@ fn command_docs_list_every_argument() {
     let mut t = Target::new();
     let mut con = t.con();
     let quota = "key:key per:oneof:PER[day:pure-token:day month:pure-token:month] zone:string:TZ calls:integer:CALLS:optional rows:integer:ROWS:optional";
-    let take = "key:key count:integer period:double cost:integer:COST:optional";
+    let peek = "key:key count:integer period:double cost:integer:COST:optional";
+    let id = "request-id:string:ID:optional";
+    let take = format!("{peek} {id}");
+    let quota_add = format!("{quota} {id}");
+    let take2 = format!("ckey:key ccount:integer cperiod:double kkey:key kcount:integer kperiod:double cost:integer:COST:optional {id}");
+    let refund = format!("key:key count:integer period:double n:integer {id}");
+    let admit = format!("numscopes:integer scope:block:multiple[key:key rpm:integer tpm:integer] seconds:integer:WINDOW:optional tokens:integer:RESERVE:optional {id} milliseconds:integer:HOLD:optional");
+    let record = format!("numscopes:integer key:key:multiple tokens:integer seconds:integer:WINDOW:optional {id} PARTIAL:pure-token:PARTIAL:optional");
     for (command, arguments) in [
-        ("qag.take", take),
-        ("qag.peek", take),
-        ("qag.refund", "key:key count:integer period:double n:integer"),
-        ("qag.take2", "ckey:key ccount:integer cperiod:double kkey:key kcount:integer kperiod:double cost:integer:COST:optional"),
+        ("qag.take", take.as_str()),
+        ("qag.peek", peek),
+        ("qag.refund", refund.as_str()),
+        ("qag.take2", take2.as_str()),
         ("qag.lease", "key:key max:integer ttl_ms:integer id:string"),
         ("qag.renew", "key:key id:string ttl_ms:integer"),
         ("qag.release", "key:key id:string"),
         ("qag.leases", "key:key"),
         ("qag.quota", quota),
-        ("qag.quota.add", quota),
+        ("qag.quota.add", quota_add.as_str()),
         ("qag.quota.seed", quota),
-        ("qag.admit", "numscopes:integer scope:block:multiple[key:key rpm:integer tpm:integer] seconds:integer:WINDOW:optional"),
-        ("qag.record", "numscopes:integer key:key:multiple tokens:integer seconds:integer:WINDOW:optional"),
+        ("qag.admit", admit.as_str()),
+        ("qag.record", record.as_str()),
         (
             "qag.throttle",
             "key:key max_burst:integer count:integer period:integer quantity:integer:optional",
         ),
     ] {
-        let docs: Value = cmd("COMMAND").arg("DOCS").arg(command).query(&mut con).unwrap();
+        let docs: Value = cmd("COMMAND")
+            .arg("DOCS")
+            .arg(command)
+            .query(&mut con)
+            .unwrap();
         let docs = fields(&docs);
-        let doc = fields(docs.get(command).unwrap_or_else(|| panic!("no docs for {command}")));
+        let doc = fields(
+            docs.get(command)
+                .unwrap_or_else(|| panic!("no docs for {command}")),
+        );
         let since = match command {
             "qag.throttle" => "0.2.0",
             "qag.refund" => "0.3.0",

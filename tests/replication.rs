@@ -48,7 +48,7 @@ fn a_replica_holds_exactly_the_primarys_fields_and_expiry() {
     assert_eq!(acked, 1, "the replica acknowledged the stream");
     let on_primary = dataset(&mut p);
     let on_replica = dataset(&mut r);
-    assert_eq!(on_primary.len(), 13);
+    assert_eq!(on_primary.len(), 14);
     assert!(on_primary
         .iter()
         .any(|(k, members, _)| k == "qag:running:{t}" && !members.is_empty()));
@@ -73,8 +73,8 @@ fn an_expiry_that_does_not_move_is_not_replicated() {
     let mut r = replica.client().get_connection().unwrap();
     const CALLS: i64 = 20;
     for _ in 0..CALLS {
-        // A 600 s bucket's expiry moves in steps of 37 s; a quota's is fixed for its
-        // month; a 60 s window's moves once a window.
+        // A 600 s bucket's expiry moves at most once in 150 s; a quota's is fixed for
+        // its month; a 60 s window's moves once a window.
         let _: Value = cmd("QAG.TAKE")
             .arg("qag:rl:steady")
             .arg(1000)
@@ -103,7 +103,7 @@ fn an_expiry_that_does_not_move_is_not_replicated() {
     assert_eq!(acked, 1, "the replica acknowledged the stream");
     let mut applied = |command: &str| command_calls(&mut r, command);
     assert_eq!(applied("hset"), 3 * CALLS, "one HSET a call");
-    // One per key, and one more for a key whose step or window ended during the run.
+    // One per key, and one more for a key whose window ended during the run.
     let pexpireat = applied("pexpireat");
     assert!(
         (3..=5).contains(&pexpireat),

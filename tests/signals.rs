@@ -322,6 +322,64 @@ fn subscribe_to_key_events(server: &Server) -> redis::Connection {
     con
 }
 
+/// `new` fires where the replica's plain command creates the key, and only there: a
+/// throttle's rewrite of an existing key (the replica's `SET … PXAT` overwrites it)
+/// fires `set` and `expire` alone, as do a bucket's and a lease's later writes.
+#[test]
+fn new_key_events_only_where_the_key_is_created() {
+    if external("new_key_events_only_where_the_key_is_created") {
+        return;
+    }
+    let (primary, replica) = primary_and_replica();
+    let mut con = primary.client().get_connection().unwrap();
+    let subscribe = |server: &Server| {
+        let mut con = subscribe_to_key_events(server);
+        run(
+            &mut con,
+            &["CONFIG", "SET", "notify-keyspace-events", "KEAn"],
+        );
+        con
+    };
+    let (mut primary_events, mut replica_events) = (subscribe(&primary), subscribe(&replica));
+    let mut primary_sub = primary_events.as_pubsub();
+    let mut replica_sub = replica_events.as_pubsub();
+    primary_sub.psubscribe("__keyevent@0__:*").unwrap();
+    replica_sub.psubscribe("__keyevent@0__:*").unwrap();
+    for line in [
+        "QAG.THROTTLE th 5 1 60 1",
+        "QAG.THROTTLE th 5 1 60 1",
+        "QAG.THROTTLE th 5 1 60 1",
+        "SET old 1",
+        "QAG.THROTTLE old 5 1 60 1",
+        "QAG.TAKE b 5 60",
+        "QAG.TAKE b 5 60",
+        "QAG.LEASE ls 2 100000 a",
+        "QAG.LEASE ls 2 100000 b",
+        "SET end 1",
+    ] {
+        send_line(&mut con, line).unwrap_or_else(|e| panic!("{line}: {e}"));
+    }
+    let on_primary = key_events(&mut primary_sub, "end");
+    let on_replica = key_events(&mut replica_sub, "end");
+    assert_eq!(on_primary, on_replica);
+    let created: Vec<&str> = on_primary
+        .iter()
+        .filter(|(event, _)| event == "new")
+        .map(|(_, key)| key.as_str())
+        .collect();
+    assert_eq!(created, ["th", "old", "b", "ls", "end"]);
+    let th: Vec<&str> = on_primary
+        .iter()
+        .filter(|(_, key)| key == "th")
+        .map(|(event, _)| event.as_str())
+        .collect();
+    assert_eq!(
+        th,
+        ["new", "set", "expire", "set", "expire", "set", "expire"]
+    );
+    drop((replica, primary));
+}
+
 #[test]
 fn keyspace_events_are_those_of_the_replicated_plain_commands() {
     if external("keyspace_events_are_those_of_the_replicated_plain_commands") {

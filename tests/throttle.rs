@@ -468,6 +468,62 @@ fn a_tat_beyond_the_burst_window_and_the_skew_reads_as_a_missing_key() {
     t.assert_healthy();
 }
 
+/// A throttle rewrites an existing key in place, as SET overwrites a value: the key
+/// keeps its LFU counter, so a busy limiter ranks for eviction with busy plain keys
+/// (setting it anew made it a new key on every write, counter 5), and a stored value of
+/// another length is resized to the new one.
+#[test]
+fn a_rewrite_keeps_the_keys_access_frequency_and_fits_any_length() {
+    if external("a_rewrite_keeps_the_keys_access_frequency_and_fits_any_length") {
+        return;
+    }
+    let mut t = Target::new();
+    let mut con = t.con();
+    let _: () = cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lfu")
+        .query(&mut con)
+        .unwrap();
+    let (busy, plain) = (t.key("busy"), t.key("plain"));
+    for _ in 0..300 {
+        assert_eq!(throttle(&mut con, &busy, [1000, 1000, 1, 1])[0], 0);
+        let _: () = cmd("SET")
+            .arg(&plain)
+            .arg("1700000000000000000")
+            .arg("PX")
+            .arg(60_000)
+            .query(&mut con)
+            .unwrap();
+    }
+    let freq = |con: &mut Connection, key: &str| -> i64 {
+        cmd("OBJECT").arg("FREQ").arg(key).query(con).unwrap()
+    };
+    let (busy_freq, plain_freq) = (freq(&mut con, &busy), freq(&mut con, &plain));
+    // A new key's counter is 5; 300 touches raise it to 11 to 13 (SET's key, touched
+    // more than once a call on some servers, to 13 to 17).
+    assert!(
+        busy_freq >= 8 && plain_freq >= 8,
+        "OBJECT FREQ after 300 calls: throttle {busy_freq}, SET {plain_freq}"
+    );
+    // Shorter and longer than the TAT written (leading zeros are allowed).
+    let now = i128::from(server_micros(&mut con)) * 1000;
+    for old in ["1", "000000000000000000000000000001"] {
+        let key = t.key(&format!("length-{}", old.len()));
+        let _: () = cmd("SET").arg(&key).arg(old).query(&mut con).unwrap();
+        assert_eq!(throttle(&mut con, &key, [4, 1, 1, 1]), [0, 5, 4, -1, 1]);
+        let written: String = cmd("GET").arg(&key).query(&mut con).unwrap();
+        let tat: i128 = written.parse().unwrap();
+        assert!(
+            written.len() == 19 && (now..now + 2 * NANOS).contains(&tat),
+            "{old} rewritten as {written}"
+        );
+        let pttl: i64 = cmd("PTTL").arg(&key).query(&mut con).unwrap();
+        assert!((0..=1_000).contains(&pttl), "{old}: PTTL {pttl}");
+    }
+    t.assert_healthy();
+}
+
 /// Starts a server that loads the module with `module_args`, expecting it to refuse;
 /// returns the server's log.
 fn refused_load(module_args: &[&str]) -> String {
@@ -554,7 +610,7 @@ fn the_skew_is_a_load_argument() {
         ),
         (
             &["THROTTLE-SKWE", "1"],
-            "syntax error: expected CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds",
+            "syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n",
         ),
     ] {
         let log = refused_load(args);

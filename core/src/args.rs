@@ -199,13 +199,62 @@ pub fn counted_key_positions<L: ArgList + ?Sized>(
 
 /// A decimal integer: an optional sign and ASCII digits only.
 pub fn parse_integer(bytes: &[u8]) -> Option<i64> {
+    // The common case first: up to 18 digits, no sign, which cannot overflow.
+    if !bytes.is_empty() && bytes.len() <= 18 {
+        let mut n: i64 = 0;
+        for &b in bytes {
+            let digit = b.wrapping_sub(b'0');
+            if digit >= 10 {
+                return ascii(bytes)?.parse().ok();
+            }
+            n = n * 10 + i64::from(digit);
+        }
+        return Some(n);
+    }
     ascii(bytes)?.parse().ok()
 }
 
 /// A finite decimal number (no `inf`, no `nan`, nothing that overflows to them).
 pub fn parse_number(bytes: &[u8]) -> Option<f64> {
+    if let Some(value) = plain_decimal(bytes) {
+        return Some(value);
+    }
     let value: f64 = ascii(bytes)?.parse().ok()?;
     value.is_finite().then_some(value)
+}
+
+/// Powers of ten that are exact in an f64.
+const EXACT_POWERS_OF_TEN: [f64; 23] = [
+    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+    1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+];
+
+/// The common case of `parse_number`, what the module writes and callers send: digits,
+/// optionally a dot and more digits, at most 2^53 as an integer of all its digits.
+/// That integer and the power of ten are both exact f64, and a division is correctly
+/// rounded, so the quotient is the f64 nearest to the decimal: what the full parser
+/// (and the script's tonumber) reads. None for anything else.
+fn plain_decimal(bytes: &[u8]) -> Option<f64> {
+    // Seventeen characters with a dot hold at most 2^53 in their digits; fewer do too.
+    if bytes.is_empty() || bytes.len() > 17 {
+        return None;
+    }
+    let mut mantissa: u64 = 0;
+    let mut places = None;
+    for (i, &b) in bytes.iter().enumerate() {
+        let digit = b.wrapping_sub(b'0');
+        if digit < 10 {
+            mantissa = mantissa * 10 + u64::from(digit);
+        } else if b == b'.' && i > 0 && places.is_none() {
+            places = Some(bytes.len() - 1 - i);
+        } else {
+            return None;
+        }
+    }
+    if mantissa > 1 << 53 {
+        return None;
+    }
+    Some(mantissa as f64 / EXACT_POWERS_OF_TEN[places.unwrap_or(0)])
 }
 
 /// `bytes` as text when they are ASCII, as every number is: a cheaper check than full
@@ -275,6 +324,14 @@ mod tests {
         }
         assert_eq!(parse_number(b"1e-3"), Some(0.001));
         assert_eq!(parse_number(b"60"), Some(60.0));
+        assert_eq!(parse_number(b"5."), Some(5.0));
+        assert_eq!(parse_number(b".5"), Some(0.5));
+        assert_eq!(parse_number(b"-2.5"), Some(-2.5));
+        assert_eq!(
+            parse_number(b"1764441000.123456"),
+            Some(1_764_441_000.123456)
+        );
+        assert_eq!(parse_number(b"9007199254740993"), Some(9007199254740992.0));
         assert_eq!(parse_number(&[0xff, 0xfe]), None);
     }
 
@@ -333,9 +390,22 @@ mod tests {
             while let Ok(Some(_)) = a.option(&["COST"], "COST n") {}
         }
 
+        /// Digits and signs read as the standard parser reads them.
+        #[test]
+        fn integers_as_the_standard_parser(text in "[-+]?[0-9]{0,21}") {
+            prop_assert_eq!(parse_integer(text.as_bytes()), text.parse::<i64>().ok());
+        }
+
         #[test]
         fn integers_round_trip(v in any::<i64>()) {
             prop_assert_eq!(parse_integer(v.to_string().as_bytes()), Some(v));
+        }
+
+        /// The plain decimals read as the full parser reads them, to the bit.
+        #[test]
+        fn plain_decimals_as_the_full_parser(text in "[0-9]{1,17}(\\.[0-9]{0,17})?") {
+            let full: f64 = text.parse().unwrap();
+            prop_assert_eq!(parse_number(text.as_bytes()).map(f64::to_bits), Some(full.to_bits()));
         }
 
         #[test]

@@ -10,5 +10,6 @@ pub mod lease;
 pub mod load;
 pub mod number;
 pub mod quota;
+pub mod replay;
 pub mod throttle;
 pub mod window;

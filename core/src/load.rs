@@ -1,8 +1,9 @@
 //! The module's load arguments, `loadmodule libqag.so [CL-THROTTLE] [TEST-COMMANDS]
-//! [THROTTLE-SKEW seconds]`, read with the commands' own parser: words in any order,
+//! [THROTTLE-SKEW seconds] [ID-SECONDS seconds] [ID-MAX n]`, read with the commands' own parser: words in any order,
 //! case-insensitive, each once; anything else refuses the load.
 
 use crate::args::{set_once, ArgError, Args};
+use crate::replay::{DEFAULT_ID_MAX, DEFAULT_ID_SECONDS};
 
 /// How far beyond a limiter's burst window a stored THROTTLE time is trusted by
 /// default: clocks of a primary and its replicas differ by far less, and a TAT ahead
@@ -18,7 +19,16 @@ pub struct LoadOptions {
     pub test_commands: bool,
     /// THROTTLE-SKEW: seconds a stored TAT may lie beyond the burst window.
     pub throttle_skew_seconds: i64,
+    /// ID-SECONDS: how long a request id is remembered.
+    pub id_seconds: i64,
+    /// ID-MAX: the most request ids one key remembers.
+    pub id_max: i64,
 }
+
+/// The longest ID-SECONDS: a day, the shortest time a quota key outlives its period.
+pub const MAX_ID_SECONDS: i64 = 86_400;
+/// The largest ID-MAX.
+pub const MAX_ID_MAX: i64 = 1_000_000;
 
 /// The load arguments as the server passed them (none is the module's path).
 pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
@@ -27,29 +37,43 @@ pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
     words.extend_from_slice(list);
     let mut args = Args::new(&words[..]);
     let (mut cl_throttle, mut test_commands, mut skew) = (None, None, None);
-    let expected = "CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds";
-    while let Some(option) =
-        args.option(&["CL-THROTTLE", "TEST-COMMANDS", "THROTTLE-SKEW"], expected)?
-    {
+    let (mut id_seconds, mut id_max) = (None, None);
+    let expected =
+        "CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n";
+    let options = [
+        "CL-THROTTLE",
+        "TEST-COMMANDS",
+        "THROTTLE-SKEW",
+        "ID-SECONDS",
+        "ID-MAX",
+    ];
+    while let Some(option) = args.option(&options, expected)? {
+        let name = options[option];
+        if option >= 2 && args.remaining() == 0 {
+            return Err(ArgError::Invalid(match option {
+                2 => "THROTTLE-SKEW needs a number of seconds",
+                3 => "ID-SECONDS needs a number of seconds",
+                _ => "ID-MAX needs a number",
+            }));
+        }
         match option {
-            0 => set_once(&mut cl_throttle, true, "CL-THROTTLE")?,
-            1 => set_once(&mut test_commands, true, "TEST-COMMANDS")?,
-            _ => {
-                if args.remaining() == 0 {
-                    return Err(ArgError::Invalid("THROTTLE-SKEW needs a number of seconds"));
-                }
-                set_once(
-                    &mut skew,
-                    args.integer("THROTTLE-SKEW", 0, i64::MAX)?,
-                    "THROTTLE-SKEW",
-                )?;
-            }
+            0 => set_once(&mut cl_throttle, true, name)?,
+            1 => set_once(&mut test_commands, true, name)?,
+            2 => set_once(&mut skew, args.integer(name, 0, i64::MAX)?, name)?,
+            3 => set_once(
+                &mut id_seconds,
+                args.integer(name, 1, MAX_ID_SECONDS)?,
+                name,
+            )?,
+            _ => set_once(&mut id_max, args.integer(name, 1, MAX_ID_MAX)?, name)?,
         }
     }
     Ok(LoadOptions {
         cl_throttle: cl_throttle.unwrap_or(false),
         test_commands: test_commands.unwrap_or(false),
         throttle_skew_seconds: skew.unwrap_or(DEFAULT_THROTTLE_SKEW_SECONDS),
+        id_seconds: id_seconds.unwrap_or(DEFAULT_ID_SECONDS),
+        id_max: id_max.unwrap_or(DEFAULT_ID_MAX),
     })
 }
 
@@ -69,7 +93,9 @@ mod tests {
             Ok(LoadOptions {
                 cl_throttle: false,
                 test_commands: false,
-                throttle_skew_seconds: 60
+                throttle_skew_seconds: 60,
+                id_seconds: 300,
+                id_max: 1000,
             })
         );
     }
@@ -81,12 +107,18 @@ mod tests {
             Ok(LoadOptions {
                 cl_throttle: true,
                 test_commands: true,
-                throttle_skew_seconds: 5
+                throttle_skew_seconds: 5,
+                id_seconds: 300,
+                id_max: 1000,
             })
         );
         assert_eq!(
             parse("THROTTLE-SKEW 0").map(|o| o.throttle_skew_seconds),
             Ok(0)
+        );
+        assert_eq!(
+            parse("id-max 10 ID-SECONDS 60").map(|o| (o.id_seconds, o.id_max)),
+            Ok((60, 10))
         );
         assert_eq!(
             parse("THROTTLE-SKEW 9223372036854775807").map(|o| o.throttle_skew_seconds),
@@ -113,17 +145,24 @@ mod tests {
                 "THROTTLE-SKEW 1 THROTTLE-SKEW 1",
                 "ERR THROTTLE-SKEW given more than once",
             ),
+            ("ID-SECONDS", "ERR ID-SECONDS needs a number of seconds"),
+            (
+                "ID-SECONDS 0",
+                "ERR ID-SECONDS must be an integer from 1 to 86400",
+            ),
+            ("ID-MAX 0", "ERR ID-MAX must be an integer from 1 to 1000000"),
+            ("ID-MAX 5 ID-MAX 5", "ERR ID-MAX given more than once"),
             (
                 "CL-THROTTLE CL-THROTTLE",
                 "ERR CL-THROTTLE given more than once",
             ),
             (
                 "CL-THROTTLE 5",
-                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds",
+                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n",
             ),
             (
                 "SKEW 5",
-                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS or THROTTLE-SKEW seconds",
+                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n",
             ),
         ] {
             assert_eq!(parse(text).err().as_deref(), Some(error), "{text}");

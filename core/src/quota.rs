@@ -2,6 +2,7 @@
 //! zone, following that zone's rules (daylight-saving changes included) from the
 //! bundled IANA database, so a server without a zone database still works.
 
+use std::cell::RefCell;
 use std::io::Write;
 
 use jiff::civil::Date;
@@ -51,9 +52,61 @@ impl Period {
     }
 }
 
+/// How many zones, and periods of each kind, the memos below keep: a server sees a
+/// handful of zones; more than this only costs the lookups again.
+const MEMO_SIZE: usize = 16;
+
+thread_local! {
+    /// Zones by the name a call gave, as the database resolved it.
+    static ZONES: RefCell<Vec<(Box<[u8]>, TimeZone)>> = const { RefCell::new(Vec::new()) };
+    /// The periods computed last, by kind and zone name.
+    static PERIODS: RefCell<Vec<(Per, Box<str>, Period)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Keeps `entry` in `memo`, dropping its oldest entry when full.
+fn remember<T>(memo: &mut Vec<T>, entry: T) {
+    if memo.len() == MEMO_SIZE {
+        memo.remove(0);
+    }
+    memo.push(entry);
+}
+
 /// The period containing `now_micros` in `zone`; None only for a clock outside the
 /// calendar's range (years beyond ±9999).
+///
+/// Periods are computed once per zone, kind and period: a clock still within the one
+/// computed last for them gets it back without the zone arithmetic (periods of one
+/// kind split the timeline, so the one containing the clock is that one). Zones are
+/// told apart by their database name: the bundled database's rules for a name are
+/// fixed.
 pub fn period(per: Per, zone: &TimeZone, now_micros: i64) -> Option<Period> {
+    let within = |p: &Period| {
+        p.start.saturating_mul(1_000_000) <= now_micros
+            && now_micros < p.end.saturating_mul(1_000_000)
+    };
+    let name = zone.iana_name();
+    if let Some(name) = name {
+        let found = PERIODS.with_borrow(|memo| {
+            memo.iter()
+                .find(|(p, n, period)| *p == per && **n == *name && within(period))
+                .map(|(_, _, period)| *period)
+        });
+        if found.is_some() {
+            return found;
+        }
+    }
+    let period = compute_period(per, zone, now_micros)?;
+    if let Some(name) = name {
+        PERIODS.with_borrow_mut(|memo| {
+            memo.retain(|(p, n, _)| !(*p == per && **n == *name));
+            remember(memo, (per, name.into(), period));
+        });
+    }
+    Some(period)
+}
+
+/// `period`, computed.
+fn compute_period(per: Per, zone: &TimeZone, now_micros: i64) -> Option<Period> {
     let now = ZonedDateTime::new(Timestamp::from_microsecond(now_micros).ok()?, zone.clone());
     period_of_day(per, zone, now.date())
 }
@@ -72,6 +125,9 @@ pub fn counting_period(
     stored_label: Option<&[u8]>,
 ) -> Option<Period> {
     let current = period(per, zone, now_micros)?;
+    if stored_label == Some(current.label.as_bytes()) {
+        return Some(current);
+    }
     let stored = stored_label
         .and_then(|label| first_day_of_label(per, label))
         .and_then(|day| period_of_day(per, zone, day));
@@ -140,14 +196,25 @@ fn period_of_day(per: Per, zone: &TimeZone, today: Date) -> Option<Period> {
     })
 }
 
-/// A zone by its IANA name (e.g. `Europe/Berlin`, `UTC`), from the bundled database.
+/// A zone by its IANA name (e.g. `Europe/Berlin`, `UTC`), from the bundled database;
+/// the names found are kept, so a name is looked up once.
 pub fn zone(name: &[u8]) -> Result<TimeZone, ArgError> {
+    let known = ZONES.with_borrow(|memo| {
+        memo.iter()
+            .find(|(n, _)| **n == *name)
+            .map(|(_, zone)| zone.clone())
+    });
+    if let Some(zone) = known {
+        return Ok(zone);
+    }
     let error = ArgError::Text {
         name: "TZ",
         rule: "a known IANA time zone name, e.g. Europe/Berlin or UTC",
     };
-    let name = std::str::from_utf8(name).map_err(|_| error.clone())?;
-    jiff::tz::db().get(name).map_err(|_| error)
+    let text = std::str::from_utf8(name).map_err(|_| error.clone())?;
+    let zone = jiff::tz::db().get(text).map_err(|_| error)?;
+    ZONES.with_borrow_mut(|memo| remember(memo, (name.into(), zone.clone())));
+    Ok(zone)
 }
 
 /// Calls and rows counted in the current period.
@@ -232,6 +299,8 @@ pub struct QuotaArgs {
     pub zone: TimeZone,
     pub calls: Option<i64>,
     pub rows: Option<i64>,
+    /// The argument holding the request id, when given (QAG.QUOTA.ADD only).
+    pub id: Option<usize>,
 }
 
 impl QuotaArgs {
@@ -251,13 +320,21 @@ impl QuotaArgs {
     }
 }
 
-pub fn parse_quota<L: ArgList + ?Sized>(list: &L) -> Result<QuotaArgs, ArgError> {
+/// A quota command's arguments; `ids` for QAG.QUOTA.ADD, which also takes
+/// `ID request-id`.
+pub fn parse_quota<L: ArgList + ?Sized>(list: &L, ids: bool) -> Result<QuotaArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(5, 9)?;
+    args.expect_count(5, 11)?;
     let key = args.key()?;
-    let (mut per, mut zone, mut calls, mut rows) = (None, None, None, None);
-    let expected = "PER, TZ, CALLS or ROWS";
-    while let Some(option) = args.option(&["PER", "TZ", "CALLS", "ROWS"], expected)? {
+    let (mut per, mut zone, mut calls, mut rows, mut id) = (None, None, None, None, None);
+    let (options, expected): (&[&str], _) = match ids {
+        true => (
+            &["PER", "TZ", "CALLS", "ROWS", "ID"],
+            "PER, TZ, CALLS, ROWS or ID",
+        ),
+        false => (&["PER", "TZ", "CALLS", "ROWS"], "PER, TZ, CALLS or ROWS"),
+    };
+    while let Some(option) = args.option(options, expected)? {
         match option {
             0 => {
                 let index = args.string()?;
@@ -278,7 +355,8 @@ pub fn parse_quota<L: ArgList + ?Sized>(list: &L) -> Result<QuotaArgs, ArgError>
                 set_once(&mut zone, self::zone(args.bytes(index))?, "TZ")?;
             }
             2 => set_once(&mut calls, args.integer("CALLS", 0, i64::MAX)?, "CALLS")?,
-            _ => set_once(&mut rows, args.integer("ROWS", 0, i64::MAX)?, "ROWS")?,
+            3 => set_once(&mut rows, args.integer("ROWS", 0, i64::MAX)?, "ROWS")?,
+            _ => set_once(&mut id, crate::replay::parse_id(&mut args)?, "ID")?,
         }
     }
     let (Some(per), Some(zone)) = (per, zone) else {
@@ -293,6 +371,7 @@ pub fn parse_quota<L: ArgList + ?Sized>(list: &L) -> Result<QuotaArgs, ArgError>
         zone,
         calls,
         rows,
+        id,
     })
 }
 
@@ -575,7 +654,29 @@ mod tests {
 
     fn parse(text: &str) -> Result<QuotaArgs, String> {
         let words: Vec<&[u8]> = text.split(' ').map(str::as_bytes).collect();
-        parse_quota(&words[..]).map_err(|e| e.to_string())
+        parse_quota(&words[..], false).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn only_add_takes_an_id() {
+        let words: Vec<&[u8]> = "ADD k PER day TZ UTC CALLS 1 ID req-9"
+            .split(' ')
+            .map(str::as_bytes)
+            .collect();
+        assert_eq!(parse_quota(&words[..], true).unwrap().id, Some(9));
+        assert_eq!(parse_quota(&words[..], true).unwrap().calls, Some(1));
+        assert_eq!(
+            parse_quota(&words[..], false).err().map(|e| e.to_string()),
+            Some("ERR syntax error: expected PER, TZ, CALLS or ROWS".to_string())
+        );
+        let words: Vec<&[u8]> = "ADD k PER day TZ UTC ID a CALLS 1 ID b"
+            .split(' ')
+            .map(str::as_bytes)
+            .collect();
+        assert_eq!(
+            parse_quota(&words[..], true).err().map(|e| e.to_string()),
+            Some("ERR ID given more than once".to_string())
+        );
     }
 
     #[test]
@@ -625,6 +726,32 @@ mod tests {
             ("QUOTA k PER day TZ", "ERR wrong number of arguments"),
         ] {
             assert_eq!(parse(text).err().as_deref(), Some(error), "{text}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod memo_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Calls walking the clock across days, months and daylight-saving changes in
+        /// zones of all kinds: the remembered periods are the computed ones.
+        #[test]
+        fn remembered_periods_are_the_computed_ones(
+            start in 0i64..4_000_000_000,
+            steps in proptest::collection::vec((0usize..4, any::<bool>(), 0i64..400_000), 1..80),
+        ) {
+            let names = ["UTC", "Europe/Berlin", "America/New_York", "Pacific/Apia"];
+            let mut now = start * 1_000_000;
+            for (z, daily, step) in steps {
+                now += step * 1_000_000 + 17;
+                let tz = zone(names[z].as_bytes()).unwrap();
+                prop_assert_eq!(tz.iana_name(), Some(names[z]));
+                let per = if daily { Per::Day } else { Per::Month };
+                prop_assert_eq!(period(per, &tz, now), compute_period(per, &tz, now));
+            }
         }
     }
 }

@@ -102,6 +102,19 @@ impl Throttle {
 /// caller never retries too early). Both parts take the duration's sign, so a negative
 /// duration is truncated only.
 pub fn reply_seconds(nanos: i128) -> i64 {
+    // The same arithmetic in i64 where the duration fits, as every real one does: an
+    // i128 division is a call into the compiler's runtime.
+    let Ok(nanos) = i64::try_from(nanos) else {
+        return reply_seconds_wide(nanos);
+    };
+    const NANOS: i64 = NANOS_PER_SECOND as i64;
+    let (seconds, below) = (nanos / NANOS, nanos % NANOS);
+    let as_f64 = seconds as f64 + below as f64 / NANOS as f64;
+    as_f64 as i64 + i64::from(below / 1_000_000 > 0)
+}
+
+/// `reply_seconds` in i128, for any duration.
+fn reply_seconds_wide(nanos: i128) -> i64 {
     let seconds = nanos / NANOS_PER_SECOND;
     let below = nanos % NANOS_PER_SECOND;
     let as_f64 = seconds as f64 + below as f64 / NANOS_PER_SECOND as f64;
@@ -167,7 +180,7 @@ pub fn throttle(
     // redis-cell divides whole microseconds as doubles; an interval under a microsecond
     // makes that an infinite or undefined quotient, which the cast saturates.
     let remaining = match next > -interval {
-        true => ((next / 1000) as f64 / (interval / 1000) as f64) as i64,
+        true => (whole_micros(next) / whole_micros(interval)) as i64,
         false => 0,
     };
     Ok(Throttle {
@@ -178,6 +191,15 @@ pub fn throttle(
         reset_after_nanos: ttl,
         write,
     })
+}
+
+/// Nanoseconds truncated to whole microseconds, as a double; in i64 where they fit (an
+/// i128 division is a call into the compiler's runtime).
+fn whole_micros(nanos: i128) -> f64 {
+    match i64::try_from(nanos) {
+        Ok(nanos) => (nanos / 1000) as f64,
+        Err(_) => (nanos / 1000) as f64,
+    }
 }
 
 /// The key's expiry for a stored TAT, in Unix milliseconds: the TAT's millisecond, as
@@ -199,6 +221,19 @@ pub fn skew_nanos(seconds: i64) -> i128 {
 /// optional leading `+`, leading zeros allowed, at most 2^64 − 1); None for anything
 /// else, which redis-cell would abort the server on.
 pub fn parse_tat(bytes: &[u8]) -> Option<u64> {
+    // What the module and redis-cell write, 1 to 19 digits, cannot overflow: read
+    // directly; anything else (a sign, 20 digits, garbage) by the standard parser.
+    if !bytes.is_empty() && bytes.len() <= 19 {
+        let mut n: u64 = 0;
+        for &b in bytes {
+            let digit = b.wrapping_sub(b'0');
+            if digit >= 10 {
+                return std::str::from_utf8(bytes).ok()?.parse().ok();
+            }
+            n = n * 10 + u64::from(digit);
+        }
+        return Some(n);
+    }
     std::str::from_utf8(bytes).ok()?.parse().ok()
 }
 
@@ -560,6 +595,18 @@ mod tests {
             ),
         ] {
             assert_eq!(parse(words).err().as_deref(), Some(error), "{words}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn reply_seconds_as_in_i128(nanos in any::<i64>()) {
+            prop_assert_eq!(reply_seconds(i128::from(nanos)), reply_seconds_wide(i128::from(nanos)));
+        }
+
+        #[test]
+        fn tats_read_as_the_standard_parser(text in "[+]?[0-9]{0,21}") {
+            prop_assert_eq!(parse_tat(text.as_bytes()), text.parse::<u64>().ok());
         }
     }
 

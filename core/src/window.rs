@@ -3,7 +3,8 @@
 //! kind; the previous window is weighted by how much of it still lies inside the
 //! trailing window.
 
-use crate::args::{ArgError, ArgList, Args};
+use crate::args::{set_once, ArgError, ArgList, Args};
+use crate::replay;
 
 pub const MAX_SCOPES: i64 = 64;
 pub const DEFAULT_WINDOW_SECONDS: i64 = 60;
@@ -59,9 +60,29 @@ impl Clock {
     /// were made a little ahead), and must last until they stop counting; an expiry
     /// later still came from no window this clock is about to enter (a clock stepped
     /// far forward, a stray write) and is brought back.
-    pub fn expiry_after_write(&self, current: i64) -> i64 {
-        let latest = (self.window() + 3) * self.window_micros / 1000;
+    ///
+    /// `keep_until` (Unix ms; 0 for nothing) is how long the hash's other fields must
+    /// last: remembered request ids, kept until then however the windows go.
+    pub fn expiry_after_write(&self, current: i64, keep_until: i64) -> i64 {
+        let latest = ((self.window() + 3) * self.window_micros / 1000).max(keep_until);
         self.expire_at_millis().max(current.min(latest))
+    }
+
+    /// When a reservation made now stops counting: at the end of the next window, when
+    /// the counts it was admitted against stop counting too, or `hold_millis` from now
+    /// when that is sooner, rounded up to a sixteenth of the window (so that a scope's
+    /// reservations fall in a few groups: see `Holds`).
+    pub fn hold_expires_at(&self, hold_millis: Option<i64>) -> i64 {
+        let end_of_next = (self.window() + 2) * self.window_micros / 1000;
+        let step = (self.window_micros / 16_000).max(1);
+        match hold_millis {
+            Some(ms) => {
+                let at = self.now_micros / 1000 + ms;
+                end_of_next
+                    .min(at.div_euclid(step) * step + i64::from(at.rem_euclid(step) != 0) * step)
+            }
+            None => end_of_next,
+        }
     }
 }
 
@@ -72,13 +93,15 @@ pub struct Limits {
     pub tpm: i64,
 }
 
-/// A scope's counters in the current and the previous window.
+/// A scope's counters in the current and the previous window, and the tokens its open
+/// reservations hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
     pub requests: i64,
     pub previous_requests: i64,
     pub tokens: i64,
     pub previous_tokens: i64,
+    pub held: i64,
 }
 
 impl Counters {
@@ -122,17 +145,28 @@ impl Admission {
     }
 }
 
+/// Tokens counted against a scope's tpm: the estimate plus what open reservations hold.
+fn tokens_counted(counters: &Counters, clock: &Clock) -> f64 {
+    estimate(counters.tokens, counters.previous_tokens, clock) + counters.held as f64
+}
+
 /// Decides a request against every scope, in order: admitted only if each passes
-/// (estimated requests + 1 ≤ rpm, estimated tokens < tpm). An admitted request adds 1
-/// to every scope's current request counter; a refused one adds nothing.
-pub fn admit(scopes: &[(Limits, Counters)], clock: &Clock) -> Admission {
+/// (estimated requests + 1 ≤ rpm; tokens counted < tpm, or, for a reservation of
+/// `reserve` tokens, tokens counted + `reserve` ≤ tpm). An admitted request adds 1 to
+/// every scope's current request counter (and its reservation to every scope's holds);
+/// a refused one adds nothing.
+pub fn admit(scopes: &[(Limits, Counters)], clock: &Clock, reserve: i64) -> Admission {
     let refused_by = scopes
         .iter()
         .position(|(limits, counters)| {
             let requests = estimate(counters.requests, counters.previous_requests, clock);
-            let tokens = estimate(counters.tokens, counters.previous_tokens, clock);
+            let tokens = tokens_counted(counters, clock);
+            let tokens_refused = match reserve {
+                0 => tokens >= limits.tpm as f64,
+                _ => tokens + reserve as f64 > limits.tpm as f64,
+            };
             (limits.rpm > 0 && requests + 1.0 > limits.rpm as f64)
-                || (limits.tpm > 0 && tokens >= limits.tpm as f64)
+                || (limits.tpm > 0 && tokens_refused)
         })
         .map_or(0, |index| index + 1);
     let admitted = refused_by == 0;
@@ -147,11 +181,12 @@ pub fn admit(scopes: &[(Limits, Counters)], clock: &Clock) -> Admission {
         least(&mut scopes.iter().filter(|(l, _)| l.rpm > 0).map(|(l, c)| {
             l.rpm as f64 - estimate(c.requests, c.previous_requests, clock) - charged
         }));
+    let reserved = if admitted { reserve as f64 } else { 0.0 };
     let tokens_remaining = least(
         &mut scopes
             .iter()
             .filter(|(l, _)| l.tpm > 0)
-            .map(|(l, c)| l.tpm as f64 - estimate(c.tokens, c.previous_tokens, clock)),
+            .map(|(l, c)| l.tpm as f64 - tokens_counted(c, clock) - reserved),
     );
     Admission {
         admitted,
@@ -213,45 +248,145 @@ pub fn is_stale(field: &[u8], clock: &Clock) -> bool {
     number.is_some_and(|n| n < window - 1 || n > window + 1)
 }
 
+/// The field that holds a scope's open reservations.
+pub const HOLDS_FIELD: &[u8] = b"holds";
+
+/// Tokens held until a time (Unix ms): one reservation, or every reservation of a scope
+/// that stops counting then.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hold {
+    pub tokens: i64,
+    pub until: i64,
+}
+
+/// A scope's open reservations, field `holds`: their tokens summed by the time they stop
+/// counting, `<tokens> <until> ...`, earliest first. Reservations made in one window stop
+/// counting together (at the end of the next), and a shorter HOLD is rounded to a
+/// sixteenth of the window, so a scope has a few groups, whatever number of requests
+/// hold tokens: reading and writing them is one field, and a reservation that expires
+/// stops counting to the millisecond without a look through the key.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Holds(Vec<Hold>);
+
+impl Holds {
+    /// The groups stored in `bytes`; an unreadable field holds nothing.
+    pub fn parse(bytes: &[u8]) -> Holds {
+        let numbers: Option<Vec<i64>> = bytes
+            .split(|&b| b == b' ')
+            .map(crate::args::parse_integer)
+            .collect();
+        let holds = match numbers {
+            Some(n) if n.len() % 2 == 0 => n
+                .chunks(2)
+                .map(|pair| Hold {
+                    tokens: pair[0],
+                    until: pair[1],
+                })
+                .filter(|h| h.tokens > 0)
+                .collect(),
+            _ => Vec::new(),
+        };
+        Holds(holds)
+    }
+
+    /// The field's text; None when nothing is held (the field is removed).
+    pub fn encode(&self) -> Option<Vec<u8>> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let mut digits = itoa::Buffer::new();
+        let mut out = Vec::with_capacity(24 * self.0.len());
+        for (i, hold) in self.0.iter().enumerate() {
+            if i > 0 {
+                out.push(b' ');
+            }
+            out.extend_from_slice(digits.format(hold.tokens).as_bytes());
+            out.push(b' ');
+            out.extend_from_slice(digits.format(hold.until).as_bytes());
+        }
+        Some(out)
+    }
+
+    /// Drops the groups that stop counting by `now_millis`; whether any did.
+    pub fn drop_closed(&mut self, now_millis: i64) -> bool {
+        let before = self.0.len();
+        self.0.retain(|h| h.until > now_millis);
+        self.0.len() != before
+    }
+
+    /// The tokens held.
+    pub fn tokens(&self) -> i64 {
+        self.0
+            .iter()
+            .fold(0i64, |sum, h| sum.saturating_add(h.tokens))
+    }
+
+    /// Holds `hold` too.
+    pub fn add(&mut self, hold: Hold) {
+        match self.0.binary_search_by_key(&hold.until, |h| h.until) {
+            Ok(i) => self.0[i].tokens = self.0[i].tokens.saturating_add(hold.tokens),
+            Err(i) => self.0.insert(i, hold),
+        }
+    }
+
+    /// Releases `tokens` of a reservation that holds until `until` (never more than its
+    /// group holds).
+    pub fn release(&mut self, until: i64, tokens: i64) {
+        if let Ok(i) = self.0.binary_search_by_key(&until, |h| h.until) {
+            self.0[i].tokens -= tokens.clamp(0, self.0[i].tokens);
+            if self.0[i].tokens == 0 {
+                self.0.remove(i);
+            }
+        }
+    }
+}
+
 /// QAG.ADMIT numscopes key rpm tpm [key rpm tpm ...] [WINDOW seconds]
+/// [RESERVE tokens] [ID request-id] [HOLD milliseconds]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdmitArgs {
     /// Each scope's key (an argument index) and limits, in the order given.
     pub scopes: Vec<(usize, Limits)>,
     pub window_seconds: i64,
+    /// Tokens to hold on every scope when admitted; 0 for no reservation.
+    pub reserve: i64,
+    /// The argument holding the request id (required with RESERVE).
+    pub id: Option<usize>,
+    /// HOLD: how long the reservation may stay open at most.
+    pub hold_millis: Option<i64>,
 }
 
-/// QAG.RECORD numscopes key [key ...] tokens [WINDOW seconds]
+/// QAG.RECORD numscopes key [key ...] tokens [WINDOW seconds] [ID request-id [PARTIAL]]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecordArgs {
     pub keys: Vec<usize>,
     pub tokens: i64,
     pub window_seconds: i64,
+    pub id: Option<usize>,
+    /// PARTIAL: charge now and shrink the reservation, keeping it open.
+    pub partial: bool,
 }
 
+/// The longest HOLD: two of the longest windows.
+pub const MAX_HOLD_MILLIS: i64 = 2 * MAX_WINDOW_SECONDS * 1000;
+
 /// `numscopes`, checked against the arguments that follow: `per_scope` each, then
-/// `trailing`, then an optional `WINDOW seconds`.
+/// `trailing`, then options (`options_most` arguments at the most).
 fn scope_count<L: ArgList + ?Sized>(
     args: &mut Args<'_, L>,
     per_scope: usize,
     trailing: usize,
+    options_most: usize,
 ) -> Result<usize, ArgError> {
     let n = args.integer("numscopes", 1, MAX_SCOPES)? as usize;
     let rest = args.remaining();
     let expected = n * per_scope + trailing;
-    if rest != expected && rest != expected + 2 {
+    if rest < expected || rest > expected + options_most {
         return Err(ArgError::Invalid(
             "numscopes does not match the number of arguments",
         ));
     }
     Ok(n)
-}
-
-fn window<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<i64, ArgError> {
-    match args.option(&["WINDOW"], "WINDOW seconds")? {
-        Some(_) => args.integer("WINDOW", 1, MAX_WINDOW_SECONDS),
-        None => Ok(DEFAULT_WINDOW_SECONDS),
-    }
 }
 
 /// Refuses a chain that names a key twice: its counters would be charged twice.
@@ -267,7 +402,7 @@ fn distinct<L: ArgList + ?Sized>(args: &Args<'_, L>, keys: &[usize]) -> Result<(
 pub fn parse_admit<L: ArgList + ?Sized>(list: &L) -> Result<AdmitArgs, ArgError> {
     let mut args = Args::new(list);
     args.expect_count(4, usize::MAX)?;
-    let n = scope_count(&mut args, 3, 0)?;
+    let n = scope_count(&mut args, 3, 0, 8)?;
     let mut scopes = Vec::with_capacity(n);
     for _ in 0..n {
         let key = args.key()?;
@@ -277,25 +412,79 @@ pub fn parse_admit<L: ArgList + ?Sized>(list: &L) -> Result<AdmitArgs, ArgError>
     }
     let keys: Vec<usize> = scopes.iter().map(|(k, _)| *k).collect();
     distinct(&args, &keys)?;
-    let window_seconds = window(&mut args)?;
+    let (mut window, mut reserve, mut id, mut hold) = (None, None, None, None);
+    let options = ["WINDOW", "RESERVE", "ID", "HOLD"];
+    let expected = "WINDOW seconds, RESERVE tokens, ID request-id or HOLD milliseconds";
+    while let Some(option) = args.option(&options, expected)? {
+        match option {
+            0 => set_once(&mut window, window_seconds(&mut args)?, "WINDOW")?,
+            1 => set_once(
+                &mut reserve,
+                args.integer("RESERVE", 1, i64::MAX)?,
+                "RESERVE",
+            )?,
+            2 => set_once(&mut id, replay::parse_id(&mut args)?, "ID")?,
+            _ => set_once(&mut hold, args.integer("HOLD", 1, MAX_HOLD_MILLIS)?, "HOLD")?,
+        }
+    }
+    let reserve = reserve.unwrap_or(0);
+    if reserve > 0 && id.is_none() {
+        return Err(ArgError::Invalid("RESERVE needs an ID to commit it by"));
+    }
+    if hold.is_some() && reserve == 0 {
+        return Err(ArgError::Invalid("HOLD goes with RESERVE"));
+    }
+    if scopes
+        .iter()
+        .any(|(_, limits)| limits.tpm > 0 && reserve > limits.tpm)
+    {
+        return Err(ArgError::Invalid(
+            "RESERVE is above a scope's tpm: it could never be admitted",
+        ));
+    }
     Ok(AdmitArgs {
         scopes,
-        window_seconds,
+        window_seconds: window.unwrap_or(DEFAULT_WINDOW_SECONDS),
+        reserve,
+        id,
+        hold_millis: hold,
     })
+}
+
+/// WINDOW's value, the word already read.
+fn window_seconds<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<i64, ArgError> {
+    args.integer("WINDOW", 1, MAX_WINDOW_SECONDS)
 }
 
 pub fn parse_record<L: ArgList + ?Sized>(list: &L) -> Result<RecordArgs, ArgError> {
     let mut args = Args::new(list);
     args.expect_count(3, usize::MAX)?;
-    let n = scope_count(&mut args, 1, 1)?;
+    let n = scope_count(&mut args, 1, 1, 5)?;
     let keys: Vec<usize> = (0..n).map(|_| args.key()).collect::<Result<_, _>>()?;
     distinct(&args, &keys)?;
     let tokens = args.integer("tokens", 0, i64::MAX)?;
-    let window_seconds = window(&mut args)?;
+    let (mut window, mut id, mut partial) = (None, None, None);
+    let options = ["WINDOW", "ID", "PARTIAL"];
+    let expected = "WINDOW seconds, ID request-id or PARTIAL";
+    while let Some(option) = args.option(&options, expected)? {
+        match option {
+            0 => set_once(&mut window, window_seconds(&mut args)?, "WINDOW")?,
+            1 => set_once(&mut id, replay::parse_id(&mut args)?, "ID")?,
+            _ => set_once(&mut partial, true, "PARTIAL")?,
+        }
+    }
+    let partial = partial.unwrap_or(false);
+    if partial && id.is_none() {
+        return Err(ArgError::Invalid(
+            "PARTIAL needs the ID of the reservation it charges",
+        ));
+    }
     Ok(RecordArgs {
         keys,
         tokens,
-        window_seconds,
+        window_seconds: window.unwrap_or(DEFAULT_WINDOW_SECONDS),
+        id,
+        partial,
     })
 }
 
@@ -321,6 +510,7 @@ mod tests {
                 previous_requests,
                 tokens,
                 previous_tokens,
+                held: 0,
             },
         )
     }
@@ -341,9 +531,9 @@ mod tests {
         // 10 requests in the last second of the previous window, rpm 10: the formula
         // weights them by the time left in the current window, not by when they came.
         let late = [0, 10, 0, 0];
-        let a = admit(&[scope(10, 0, late)], &clock(1.0));
+        let a = admit(&[scope(10, 0, late)], &clock(1.0), 0);
         assert!(!a.admitted, "59/60 of 10 + 1 > 10");
-        let a = admit(&[scope(10, 0, late)], &clock(15.0));
+        let a = admit(&[scope(10, 0, late)], &clock(15.0), 0);
         assert!(
             a.admitted,
             "7.5 + 1 ≤ 10 a quarter in, though all 10 came seconds ago"
@@ -353,21 +543,21 @@ mod tests {
 
     #[test]
     fn admission_and_remaining() {
-        let a = admit(&[scope(5, 100, [2, 0, 40, 0])], &clock(10.0));
+        let a = admit(&[scope(5, 100, [2, 0, 40, 0])], &clock(10.0), 0);
         assert_eq!(a.as_reply(), [1, 0, 0, 2, 60]);
-        let a = admit(&[scope(5, 100, [4, 0, 40, 0])], &clock(10.0));
+        let a = admit(&[scope(5, 100, [4, 0, 40, 0])], &clock(10.0), 0);
         assert_eq!(a.as_reply(), [1, 0, 0, 0, 60], "the fifth of five");
-        let a = admit(&[scope(5, 100, [5, 0, 40, 0])], &clock(10.0));
+        let a = admit(&[scope(5, 100, [5, 0, 40, 0])], &clock(10.0), 0);
         assert_eq!(a.as_reply(), [0, 1, 50, 0, 60], "refused; nothing charged");
-        let a = admit(&[scope(0, 0, [500, 500, 500, 500])], &clock(10.0));
+        let a = admit(&[scope(0, 0, [500, 500, 500, 500])], &clock(10.0), 0);
         assert_eq!(a.as_reply(), [1, 0, 0, -1, -1], "no limits at all");
     }
 
     #[test]
     fn a_full_token_window_refuses() {
-        let a = admit(&[scope(0, 1000, [0, 0, 1000, 0])], &clock(59.5));
+        let a = admit(&[scope(0, 1000, [0, 0, 1000, 0])], &clock(59.5), 0);
         assert_eq!(a.as_reply(), [0, 1, 1, -1, 0], "at least a second to retry");
-        let a = admit(&[scope(0, 1000, [0, 0, 999, 0])], &clock(59.5));
+        let a = admit(&[scope(0, 1000, [0, 0, 999, 0])], &clock(59.5), 0);
         assert_eq!(a.as_reply(), [1, 0, 0, -1, 1]);
     }
 
@@ -376,12 +566,12 @@ mod tests {
         let org = scope(100, 0, [10, 0, 0, 0]);
         let team = scope(10, 0, [10, 0, 0, 0]);
         let key = scope(1, 0, [1, 0, 0, 0]);
-        let a = admit(&[org, team, key], &clock(10.0));
+        let a = admit(&[org, team, key], &clock(10.0), 0);
         assert_eq!((a.admitted, a.refused_by), (false, 2));
         assert_eq!(a.requests_remaining, 0);
-        let a = admit(&[org, key, team], &clock(10.0));
+        let a = admit(&[org, key, team], &clock(10.0), 0);
         assert_eq!(a.refused_by, 2);
-        let a = admit(&[org, scope(20, 0, [10, 0, 0, 0])], &clock(10.0));
+        let a = admit(&[org, scope(20, 0, [10, 0, 0, 0])], &clock(10.0), 0);
         assert_eq!(
             a.as_reply(),
             [1, 0, 0, 9, -1],
@@ -436,6 +626,7 @@ mod tests {
             previous_requests: 9,
             tokens: 0,
             previous_tokens: 9,
+            held: 0,
         };
         assert!(c.changes(Kind::Requests, 4));
         assert!(!c.changes(Kind::Requests, 3));
@@ -454,12 +645,136 @@ mod tests {
         // After a write: never earlier than this window's, never later than the next's.
         let c = clock(0.0);
         let (own, next) = (START / 1000 + 120_000, START / 1000 + 180_000);
-        assert_eq!(c.expiry_after_write(-1), own);
-        assert_eq!(c.expiry_after_write(own - 1), own);
-        assert_eq!(c.expiry_after_write(own + 1), own + 1);
-        assert_eq!(c.expiry_after_write(next), next);
-        assert_eq!(c.expiry_after_write(next + 1), next);
-        assert_eq!(c.expiry_after_write(i64::MAX), next);
+        assert_eq!(c.expiry_after_write(-1, 0), own);
+        assert_eq!(c.expiry_after_write(own - 1, 0), own);
+        assert_eq!(c.expiry_after_write(own + 1, 0), own + 1);
+        assert_eq!(c.expiry_after_write(next, 0), next);
+        assert_eq!(c.expiry_after_write(next + 1, 0), next);
+        assert_eq!(c.expiry_after_write(i64::MAX, 0), next);
+        // Remembered ids keep the key up to when they are forgotten, no longer.
+        assert_eq!(c.expiry_after_write(next + 5, next + 9), next + 5);
+        assert_eq!(c.expiry_after_write(i64::MAX, next + 9), next + 9);
+        // A hold lasts to the end of the next window, or HOLD from now when sooner.
+        assert_eq!(c.hold_expires_at(None), own);
+        assert_eq!(c.hold_expires_at(Some(3_750)), START / 1000 + 3_750);
+        assert_eq!(
+            c.hold_expires_at(Some(1_500)),
+            START / 1000 + 3_750,
+            "rounded up to a sixteenth of the window"
+        );
+        assert_eq!(c.hold_expires_at(Some(MAX_HOLD_MILLIS)), own);
+    }
+
+    #[test]
+    fn reservations_count_what_they_hold_and_fit_up_to_the_tpm() {
+        let held = |tokens, held| {
+            let (limits, mut counters) = scope(0, 1000, [0, 0, tokens, 0]);
+            counters.held = held;
+            (limits, counters)
+        };
+        // 9 holds of 100: a tenth fits exactly, an eleventh does not.
+        let a = admit(&[held(0, 900)], &clock(10.0), 100);
+        assert_eq!(a.as_reply(), [1, 0, 0, -1, 0]);
+        let a = admit(&[held(0, 1000)], &clock(10.0), 100);
+        assert_eq!(a.as_reply(), [0, 1, 50, -1, 0]);
+        // Committed at 40 each: 400 counted, six more of 100 fit.
+        assert!(admit(&[held(400, 500)], &clock(10.0), 100).admitted);
+        assert!(!admit(&[held(400, 600)], &clock(10.0), 100).admitted);
+        // A plain ADMIT counts the holds too.
+        assert!(!admit(&[held(0, 1000)], &clock(10.0), 0).admitted);
+        assert_eq!(
+            admit(&[held(0, 999)], &clock(10.0), 0).as_reply(),
+            [1, 0, 0, -1, 1]
+        );
+        // A scope without a tpm holds nothing back.
+        let (mut limits, counters) = held(0, 5000);
+        limits.tpm = 0;
+        assert!(admit(&[(limits, counters)], &clock(10.0), 100).admitted);
+    }
+
+    #[test]
+    fn holds_are_grouped_by_when_they_stop_counting() {
+        let mut holds = Holds::default();
+        assert_eq!(holds.encode(), None);
+        holds.add(Hold {
+            tokens: 100,
+            until: 9_000,
+        });
+        holds.add(Hold {
+            tokens: 40,
+            until: 5_000,
+        });
+        holds.add(Hold {
+            tokens: 7,
+            until: 9_000,
+        });
+        assert_eq!(holds.encode().unwrap(), b"40 5000 107 9000");
+        assert_eq!(Holds::parse(&holds.encode().unwrap()), holds);
+        assert_eq!(holds.tokens(), 147);
+        assert!(!holds.drop_closed(4_999));
+        assert!(holds.drop_closed(5_000));
+        assert_eq!(holds.tokens(), 107);
+        holds.release(9_000, 100);
+        assert_eq!(holds.tokens(), 7);
+        holds.release(9_000, 1_000);
+        assert_eq!(
+            holds,
+            Holds::default(),
+            "never below 0; an empty group goes"
+        );
+        holds.release(1, 5);
+        for bad in [&b"x"[..], b"1", b"1 2 3", b"-5 9", b""] {
+            assert_eq!(Holds::parse(bad).tokens(), 0, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn reservation_and_partial_arguments() {
+        let a =
+            parse_a("ADMIT 2 org 0 1000 key 5 500 RESERVE 300 ID r1 HOLD 2000 WINDOW 30").unwrap();
+        assert_eq!(
+            (a.reserve, a.id, a.hold_millis, a.window_seconds),
+            (300, Some(11), Some(2000), 30)
+        );
+        let a = parse_a("ADMIT 1 k 1 1 ID r1").unwrap();
+        assert_eq!((a.reserve, a.id), (0, Some(6)));
+        let r = parse_r("RECORD 2 org key 250 ID r1 PARTIAL").unwrap();
+        assert_eq!((r.tokens, r.id, r.partial), (250, Some(6), true));
+        let r = parse_r("RECORD 1 k 5 PARTIAL ID r1 WINDOW 5").unwrap();
+        assert_eq!((r.partial, r.window_seconds), (true, 5));
+        for (text, error) in [
+            ("ADMIT 1 k 0 1000 RESERVE 10", "ERR RESERVE needs an ID to commit it by"),
+            ("ADMIT 1 k 0 1000 ID r HOLD 5", "ERR HOLD goes with RESERVE"),
+            (
+                "ADMIT 2 a 0 1000 b 0 50 RESERVE 100 ID r",
+                "ERR RESERVE is above a scope's tpm: it could never be admitted",
+            ),
+            (
+                "ADMIT 1 k 0 1000 RESERVE 0 ID r",
+                "ERR RESERVE must be an integer from 1 to 9223372036854775807",
+            ),
+            (
+                "ADMIT 1 k 0 1000 RESERVE 5 ID r HOLD 0",
+                "ERR HOLD must be an integer from 1 to 172800000",
+            ),
+            ("ADMIT 1 k 0 1000 ID a ID b", "ERR ID given more than once"),
+            (
+                "ADMIT 1 k 0 1000 LATER 5",
+                "ERR syntax error: expected WINDOW seconds, RESERVE tokens, ID request-id or HOLD milliseconds",
+            ),
+            (
+                "RECORD 1 k 5 PARTIAL",
+                "ERR PARTIAL needs the ID of the reservation it charges",
+            ),
+            ("RECORD 1 k 5 PARTIAL PARTIAL ID r", "ERR PARTIAL given more than once"),
+            (
+                "RECORD 1 k 5 ID r WINDOW 5 PARTIAL x",
+                "ERR numscopes does not match the number of arguments",
+            ),
+        ] {
+            let got = if text.starts_with("ADMIT") { parse_a(text).err() } else { parse_r(text).err() };
+            assert_eq!(got.as_deref(), Some(error), "{text}");
+        }
     }
 
     fn parse_a(text: &str) -> Result<AdmitArgs, String> {
@@ -494,7 +809,7 @@ mod tests {
             ),
             (
                 "ADMIT 1 org 100 0 extra",
-                "ERR numscopes does not match the number of arguments",
+                "ERR syntax error: expected WINDOW seconds, RESERVE tokens, ID request-id or HOLD milliseconds",
             ),
             (
                 "ADMIT 0 org 1 1",
@@ -526,7 +841,7 @@ mod tests {
             ),
             (
                 "ADMIT 1 org 1 1 SPAN 5",
-                "ERR syntax error: expected WINDOW seconds",
+                "ERR syntax error: expected WINDOW seconds, RESERVE tokens, ID request-id or HOLD milliseconds",
             ),
             (
                 "ADMIT 2 org 1 1 org 2 2",
@@ -573,7 +888,7 @@ mod tests {
         ) {
             let clock = clock(offset);
             let scopes: Vec<_> = raw.iter().map(|&(rpm, tpm, r, pr, t, pt)| scope(rpm, tpm, [r, pr, t, pt])).collect();
-            let a = admit(&scopes, &clock);
+            let a = admit(&scopes, &clock, 0);
             let fails = |(l, c): &(Limits, Counters)| {
                 (l.rpm > 0 && estimate(c.requests, c.previous_requests, &clock) + 1.0 > l.rpm as f64)
                     || (l.tpm > 0 && estimate(c.tokens, c.previous_tokens, &clock) >= l.tpm as f64)

@@ -61,9 +61,15 @@ fn server_binary() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())
 }
 
+/// A free loopback port whose cluster bus port (10000 higher) is free too.
 fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
-    listener.local_addr().expect("local address").port()
+    loop {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        let port = listener.local_addr().expect("local address").port();
+        if port <= 55535 && TcpListener::bind(("127.0.0.1", port + 10000)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Options for a server of the test's own.
@@ -162,8 +168,15 @@ impl Server {
                 return false;
             }
             if let Ok(mut con) = self.client().get_connection() {
-                if cmd("PING").query::<String>(&mut con).is_ok() {
-                    return true;
+                // Its own process, not another test's server that took the port first,
+                // and done loading its data (PING answers LOADING until then).
+                if let Ok(info) = cmd("INFO").arg("server").query::<String>(&mut con) {
+                    if !info.contains(&format!("process_id:{}\r", self.child.id())) {
+                        return false;
+                    }
+                    if cmd("PING").query::<String>(&mut con).is_ok() {
+                        return true;
+                    }
                 }
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -271,19 +284,60 @@ impl Target {
 /// mode, its slots assigned by `redis-cli --cluster create`; returned once every node
 /// reports the cluster ok.
 pub fn start_cluster(options: &ServerOptions) -> Vec<Server> {
-    let nodes: Vec<Server> = (0..3)
-        .map(|_| {
-            let mut options = options.clone();
+    start_cluster_of(&ClusterOptions {
+        primaries: vec![options.clone(), options.clone(), options.clone()],
+        ..Default::default()
+    })
+}
+
+/// How [`start_cluster_of`] builds a cluster.
+#[derive(Clone)]
+pub struct ClusterOptions {
+    /// Each primary's options (its replica, if any, has the same).
+    pub primaries: Vec<ServerOptions>,
+    /// A replica per primary (for failovers).
+    pub replicas: bool,
+    pub node_timeout_ms: u32,
+    /// Arguments for every node (e.g. `--cluster-require-full-coverage no`).
+    pub extra: Vec<String>,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            primaries: vec![ServerOptions::default(); 3],
+            replicas: false,
+            node_timeout_ms: 5000,
+            extra: Vec::new(),
+        }
+    }
+}
+
+/// A cluster as `cluster` says: the primaries first (in order), then their replicas
+/// (the replica of primary n at n + primaries), returned once every node reports the
+/// cluster ok and every replica is in sync.
+pub fn start_cluster_of(cluster: &ClusterOptions) -> Vec<Server> {
+    let count = cluster.primaries.len();
+    let copies = if cluster.replicas { 2 } else { 1 };
+    let nodes: Vec<Server> = (0..count * copies)
+        .map(|n| {
+            let mut options = cluster.primaries[n % count].clone();
+            let timeout = cluster.node_timeout_ms.to_string();
             options.extra.extend(
-                ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"].map(String::from),
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    &timeout,
+                ]
+                .map(String::from),
             );
+            options.extra.extend(cluster.extra.iter().cloned());
             Server::start(&options)
         })
         .collect();
-    let addresses: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
+    let address = |node: &Server| format!("127.0.0.1:{}", node.port);
+    let addresses: Vec<String> = nodes[..count].iter().map(address).collect();
     let created = Command::new("redis-cli")
         .arg("--cluster")
         .arg("create")
@@ -296,12 +350,32 @@ pub fn start_cluster(options: &ServerOptions) -> Vec<Server> {
         "{}",
         String::from_utf8_lossy(&created.stdout)
     );
+    for (n, replica) in nodes[count..].iter().enumerate() {
+        let mut con = nodes[n].client().get_connection().unwrap();
+        let id: String = cmd("CLUSTER").arg("MYID").query(&mut con).unwrap();
+        let added = Command::new("redis-cli")
+            .args(["--cluster", "add-node", &address(replica), &addresses[0]])
+            .args(["--cluster-slave", "--cluster-master-id", &id])
+            .output()
+            .expect("run redis-cli --cluster add-node");
+        assert!(
+            added.status.success(),
+            "{}",
+            String::from_utf8_lossy(&added.stdout)
+        );
+    }
     let deadline = Instant::now() + Duration::from_secs(30);
     for node in &nodes {
         let mut con = node.client().get_connection().unwrap();
         loop {
             let info: String = cmd("CLUSTER").arg("INFO").query(&mut con).unwrap();
-            if info.contains("cluster_state:ok") {
+            let known: String = cmd("CLUSTER").arg("NODES").query(&mut con).unwrap();
+            let replication: String = cmd("INFO").arg("replication").query(&mut con).unwrap();
+            if info.contains("cluster_state:ok")
+                && known.lines().count() == nodes.len()
+                && (replication.contains("role:master")
+                    || replication.contains("master_link_status:up"))
+            {
                 break;
             }
             assert!(
@@ -464,6 +538,14 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .arg(3)
             .arg(lifetime)
             .clone(),
+        // An id used for two rounds: the second is a replay.
+        cmd("QAG.TAKE")
+            .arg(&bucket)
+            .arg(3)
+            .arg(lifetime)
+            .arg("ID")
+            .arg(format!("t{}", round / 2))
+            .clone(),
         cmd("QAG.LEASE")
             .arg("qag:running:{t}")
             .arg(3)
@@ -510,6 +592,30 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .arg("WINDOW")
             .arg(lifetime)
             .clone(),
+        // A model call's tokens: reserved, charged in part, committed a round later.
+        cmd("QAG.ADMIT")
+            .arg(1)
+            .arg(&["qag:win:{t}:model", "0", "100000", "RESERVE", "500", "ID"])
+            .arg(format!("m{round}"))
+            .arg("WINDOW")
+            .arg(lifetime)
+            .clone(),
+        cmd("QAG.RECORD")
+            .arg(1)
+            .arg(&["qag:win:{t}:model", "20", "ID"])
+            .arg(format!("m{round}"))
+            .arg(&["PARTIAL", "WINDOW"])
+            .arg(lifetime)
+            .clone(),
+        cmd("QAG.RECORD")
+            .arg(1)
+            .arg("qag:win:{t}:model")
+            .arg(100 + round)
+            .arg("ID")
+            .arg(format!("m{}", round.saturating_sub(1)))
+            .arg("WINDOW")
+            .arg(lifetime)
+            .clone(),
         // Quantities 0 (a peek) to 2 against a burst of 3, refilled slowly enough that
         // both keys outlive the round.
         cmd("QAG.THROTTLE")
@@ -529,9 +635,15 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
 
 /// A primary with the module and a linked replica without it.
 pub fn primary_and_replica() -> (Server, Server) {
+    primary_and_linked_replica(true)
+}
+
+/// A primary with the module and a linked replica, `without_module` or with it (a
+/// replica to promote).
+pub fn primary_and_linked_replica(without_module: bool) -> (Server, Server) {
     let primary = Server::start(&ServerOptions::default());
     let replica = Server::start(&ServerOptions {
-        without_module: true,
+        without_module,
         replica_of: Some(primary.port),
         ..Default::default()
     });
@@ -564,4 +676,36 @@ pub fn send(con: &mut Connection, words: &[&str]) -> redis::RedisResult<Value> {
 /// Sends one command written as words separated by single spaces.
 pub fn send_line(con: &mut Connection, line: &str) -> redis::RedisResult<Value> {
     send(con, &line.split(' ').collect::<Vec<_>>())
+}
+
+// What tests read of a window scope's hash.
+
+/// The sum of a window hash's counters of one kind (`req:` or `tok:`).
+pub fn counted(con: &mut redis::Connection, key: &str, prefix: &str) -> i64 {
+    let fields: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query(con).unwrap();
+    fields
+        .iter()
+        .filter(|(name, _)| name.starts_with(prefix))
+        .map(|(_, v)| v.parse::<i64>().unwrap())
+        .sum()
+}
+
+/// The tokens a scope holds for open reservations now (`holds`: `<tokens> <until ms>`
+/// groups; a group past its time counts no more).
+pub fn held(con: &mut redis::Connection, key: &str) -> i64 {
+    let holds: Option<String> = redis::cmd("HGET").arg(key).arg("holds").query(con).unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let words: Vec<i64> = holds
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    words
+        .chunks(2)
+        .filter(|group| group[1] > now_ms)
+        .map(|group| group[0])
+        .sum()
 }

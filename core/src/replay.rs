@@ -1,0 +1,584 @@
+//! Replays that count once: a call given `ID request-id` leaves its reply in a field of
+//! its own (first) key, `id:<command>:<request-id>`, with the time it is forgotten; the
+//! same call repeated with that id while it is remembered answers the remembered reply
+//! and changes nothing. Living in the key's own hash, an id is in the key's cluster slot,
+//! under the caller's ACL key permissions, and replicated with the key's other fields.
+
+use crate::args::{ArgError, ArgList, Args};
+
+/// How long an id is remembered by default (load argument `ID-SECONDS`).
+pub const DEFAULT_ID_SECONDS: i64 = 300;
+/// The most ids a key keeps by default (load argument `ID-MAX`).
+pub const DEFAULT_ID_MAX: i64 = 1000;
+/// The longest request id, in bytes.
+pub const MAX_ID_BYTES: usize = 128;
+
+/// The prefix of every remembered id's field.
+pub const FIELD_PREFIX: &[u8] = b"id:";
+
+/// A reply as remembered: the shapes of the commands that take an id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    Integer(i64),
+    Row(Vec<Option<i64>>),
+    /// TAKE2's: the client bucket's row, then the key bucket's when it was counted.
+    Pair(Vec<Option<i64>>, Option<Vec<Option<i64>>>),
+}
+
+/// The field that remembers `command`'s call with request id `id`, written into `out`
+/// (a buffer the caller keeps from call to call). Each command has ids of its own, so
+/// one request id serves every call a request makes.
+pub fn field_name<'a>(out: &'a mut Vec<u8>, command: &str, id: &[u8]) -> &'a [u8] {
+    out.clear();
+    out.extend_from_slice(FIELD_PREFIX);
+    out.extend_from_slice(command.as_bytes());
+    out.push(b':');
+    out.extend_from_slice(id);
+    out
+}
+
+/// A reply to remember, borrowed from the reply itself (no copy of its rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnswerRef<'a> {
+    Integer(i64),
+    Row(&'a [Option<i64>]),
+    Pair(&'a [Option<i64>], Option<&'a [Option<i64>]>),
+}
+
+impl Answer {
+    pub fn as_ref(&self) -> AnswerRef<'_> {
+        match self {
+            Answer::Integer(v) => AnswerRef::Integer(*v),
+            Answer::Row(values) => AnswerRef::Row(values),
+            Answer::Pair(first, second) => AnswerRef::Pair(first, second.as_deref()),
+        }
+    }
+}
+
+/// A remembered call: its reply, when it is forgotten, and, for an ADMIT that reserved,
+/// its reservation while open.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub forget_at: i64,
+    pub answer: Answer,
+    pub hold: Option<Reserved>,
+}
+
+/// A reservation as its ADMIT remembers it: the tokens it still holds, until when (Unix
+/// ms), on which chain of keys (`chain_of`: only a RECORD on that chain releases it), and
+/// what partial charges have charged so far (a commit charges the rest of its count).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reserved {
+    pub tokens: i64,
+    pub until: i64,
+    pub chain: i64,
+    pub charged: i64,
+}
+
+/// A fingerprint of a chain of keys, in order (64-bit FNV-1a over each key and its
+/// length).
+pub fn chain_of<'a>(keys: impl Iterator<Item = &'a [u8]>) -> i64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |byte: u8| {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    };
+    for key in keys {
+        key.iter().copied().for_each(&mut eat);
+        (key.len() as u64)
+            .to_le_bytes()
+            .into_iter()
+            .for_each(&mut eat);
+    }
+    hash as i64
+}
+
+/// The text of a remembered call, written into `out` (a buffer the caller keeps):
+/// `<forgotten at, Unix ms> <reply>[ h<tokens>,<until>,<chain>,<charged>]`,
+/// the reply as `i<n>`, `r<row>` or `p<row>;<row>` (an absent second row empty), a row's
+/// values comma-separated, a null empty.
+pub fn encode<'a>(
+    out: &'a mut Vec<u8>,
+    forget_at: i64,
+    answer: AnswerRef<'_>,
+    hold: Option<Reserved>,
+) -> &'a [u8] {
+    let mut digits = itoa::Buffer::new();
+    out.clear();
+    let mut number = |out: &mut Vec<u8>, v: i64| out.extend_from_slice(digits.format(v).as_bytes());
+    let row =
+        |out: &mut Vec<u8>, number: &mut dyn FnMut(&mut Vec<u8>, i64), values: &[Option<i64>]| {
+            for (i, value) in values.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                if let Some(v) = value {
+                    number(out, *v);
+                }
+            }
+        };
+    number(out, forget_at);
+    out.push(b' ');
+    match answer {
+        AnswerRef::Integer(v) => {
+            out.push(b'i');
+            number(out, v);
+        }
+        AnswerRef::Row(values) => {
+            out.push(b'r');
+            row(out, &mut number, values);
+        }
+        AnswerRef::Pair(first, second) => {
+            out.push(b'p');
+            row(out, &mut number, first);
+            out.push(b';');
+            if let Some(second) = second {
+                row(out, &mut number, second);
+            }
+        }
+    }
+    if let Some(hold) = hold {
+        out.extend_from_slice(b" h");
+        number(out, hold.tokens);
+        out.push(b',');
+        number(out, hold.until);
+        out.push(b',');
+        number(out, hold.chain);
+        out.push(b',');
+        number(out, hold.charged);
+    }
+    out
+}
+
+/// When a remembered call is forgotten, in Unix milliseconds; None for a value that is
+/// no remembered call (which then counts as no id at all).
+pub fn forget_at(value: &[u8]) -> Option<i64> {
+    let space = value.iter().position(|&b| b == b' ')?;
+    crate::args::parse_integer(&value[..space])
+}
+
+/// The call remembered in `value`, whatever its time; None for anything else.
+pub fn decode(value: &[u8]) -> Option<Record> {
+    let mut parts = value.split(|&b| b == b' ');
+    let forget_at = crate::args::parse_integer(parts.next()?)?;
+    let reply = parts.next()?;
+    let hold = match parts.next() {
+        None => None,
+        Some(hold) => {
+            let numbers: Option<Vec<i64>> = hold
+                .strip_prefix(b"h")?
+                .split(|&b| b == b',')
+                .map(crate::args::parse_integer)
+                .collect();
+            match numbers?[..] {
+                [tokens, until, chain, charged] => Some(Reserved {
+                    tokens,
+                    until,
+                    chain,
+                    charged,
+                }),
+                _ => return None,
+            }
+        }
+    };
+    if parts.next().is_some() {
+        return None;
+    }
+    let row = |text: &[u8]| -> Option<Vec<Option<i64>>> {
+        text.split(|&b| b == b',')
+            .map(|v| match v.is_empty() {
+                true => Some(None),
+                false => crate::args::parse_integer(v).map(Some),
+            })
+            .collect()
+    };
+    let (&shape, body) = reply.split_first()?;
+    let answer = match shape {
+        b'i' => Answer::Integer(crate::args::parse_integer(body)?),
+        b'r' => Answer::Row(row(body)?),
+        b'p' => {
+            let semicolon = body.iter().position(|&b| b == b';')?;
+            let (first, second) = (&body[..semicolon], &body[semicolon + 1..]);
+            let second = match second.is_empty() {
+                true => None,
+                false => Some(row(second)?),
+            };
+            Answer::Pair(row(first)?, second)
+        }
+        _ => return None,
+    };
+    Some(Record {
+        forget_at,
+        answer,
+        hold,
+    })
+}
+
+/// The call remembered in `value`, if it is still remembered at `now_millis`.
+pub fn remembered(value: Option<&[u8]>, now_millis: i64) -> Option<Record> {
+    decode(value?).filter(|record| record.forget_at > now_millis)
+}
+
+/// What a look through a key's remembered ids decides.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Pruned<T> {
+    /// The ids to remove.
+    pub forget: Vec<T>,
+    /// When to look through them next (the key's `ids` field).
+    pub prune_at: i64,
+}
+
+/// One remembered id as a look through a key's ids sees it: when it is forgotten (None:
+/// not a remembered reply), and whether it still holds tokens of an open reservation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Standing {
+    pub forget_at: Option<i64>,
+    pub holding: bool,
+}
+
+/// How the id remembered as `value` stands at `now_millis`.
+pub fn standing(value: &[u8], now_millis: i64) -> Standing {
+    let forget_at = forget_at(value);
+    // Only an ADMIT that reserved has a hold (` h…`): the others are not decoded.
+    let holding = value.windows(2).any(|pair| pair == b" h")
+        && decode(value)
+            .and_then(|record| record.hold)
+            .is_some_and(|hold| hold.tokens > 0 && hold.until > now_millis);
+    Standing { forget_at, holding }
+}
+
+/// Which of a key's remembered ids to forget, given each one's field and standing, as
+/// one more, forgotten at `new_forget_at`, is remembered: every one forgotten by
+/// `now_millis` or unreadable, and, while `most` or more remain, the oldest down to
+/// three quarters of `most`, so that a key at its cap is looked through once per
+/// quarter of it, not on every call. Those of open reservations go last: forgotten, a
+/// reservation could no longer be committed (its hold would count until it expires).
+/// The next look is due a quarter of the ttl after the earliest kept one is forgotten.
+pub fn prune<T>(
+    ids: Vec<(T, Standing)>,
+    new_forget_at: i64,
+    now_millis: i64,
+    ttl_millis: i64,
+    most: usize,
+) -> Pruned<T> {
+    let (mut kept, forget): (Vec<_>, Vec<_>) = ids
+        .into_iter()
+        .partition(|(_, standing)| standing.forget_at.is_some_and(|at| at > now_millis));
+    let mut forget: Vec<T> = forget.into_iter().map(|(field, _)| field).collect();
+    if kept.len() >= most {
+        kept.sort_by_key(|(_, standing)| (standing.holding, standing.forget_at));
+        let excess = kept.len() - most * 3 / 4;
+        forget.extend(kept.drain(..excess).map(|(field, _)| field));
+    }
+    let earliest = kept
+        .iter()
+        .filter_map(|(_, standing)| standing.forget_at)
+        .chain([new_forget_at])
+        .min()
+        .unwrap_or(new_forget_at);
+    Pruned {
+        forget,
+        prune_at: earliest.saturating_add(ttl_millis / 4),
+    }
+}
+
+/// The field that says when a key's ids are next looked through: `ids`, a Unix ms time.
+pub const SUMMARY_FIELD: &[u8] = b"ids";
+
+/// The most fields a key holds besides its ids (a bucket's two, a quota's three, a
+/// window's counters and holds), for the cap: a key of more than `ID-MAX` and these
+/// looks through its ids.
+pub const OWN_FIELDS_MOST: usize = 16;
+
+/// What remembering one more id asks of the key's ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upkeep {
+    /// Nothing: the key's `ids` field stays as it is.
+    Nothing,
+    /// The key's first id: its `ids` field, the time of the first look.
+    Start(i64),
+    /// Look through them now (`prune`): it is time, or the key is at its cap.
+    Prune,
+}
+
+/// The upkeep of a key of `fields` fields whose `ids` field says `prune_at`, as one more
+/// id is remembered at `now_millis`.
+pub fn upkeep(
+    prune_at: Option<i64>,
+    fields: usize,
+    now_millis: i64,
+    ttl_millis: i64,
+    most: usize,
+) -> Upkeep {
+    match prune_at {
+        _ if fields > most + OWN_FIELDS_MOST => Upkeep::Prune,
+        None => Upkeep::Start(now_millis + ttl_millis + ttl_millis / 4),
+        Some(at) if at <= now_millis => Upkeep::Prune,
+        Some(_) => Upkeep::Nothing,
+    }
+}
+
+/// `ID request-id`'s value, the word ID already read: 1 to MAX_ID_BYTES bytes.
+pub fn parse_id<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<usize, ArgError> {
+    let index = args.string()?;
+    if args.bytes(index).is_empty() || args.bytes(index).len() > MAX_ID_BYTES {
+        return Err(ArgError::Text {
+            name: "ID",
+            rule: "1 to 128 bytes",
+        });
+    }
+    Ok(index)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn encoded(record: &Record) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode(
+            &mut out,
+            record.forget_at,
+            record.answer.as_ref(),
+            record.hold,
+        )
+        .to_vec()
+    }
+
+    fn field(command: &str, id: &[u8]) -> Vec<u8> {
+        field_name(&mut Vec::new(), command, id).to_vec()
+    }
+
+    #[test]
+    fn field_names_keep_each_commands_ids_apart() {
+        assert_eq!(field("take", b"req-1"), b"id:take:req-1");
+        assert_ne!(field("take", b"x"), field("take2", b"x"));
+        assert_eq!(field("record", b"a:b"), b"id:record:a:b");
+        // The buffer is written afresh each time.
+        let mut out = b"left over".to_vec();
+        assert_eq!(field_name(&mut out, "take", b"r"), b"id:take:r");
+    }
+
+    fn record(answer: Answer, hold: Option<(i64, i64)>) -> Record {
+        let hold = hold.map(|(tokens, until)| Reserved {
+            tokens,
+            until,
+            chain: -7,
+            charged: 9,
+        });
+        Record {
+            forget_at: 1_000,
+            answer,
+            hold,
+        }
+    }
+
+    #[test]
+    fn replies_round_trip_until_forgotten() {
+        for (answer, hold) in [
+            (Answer::Integer(7), None),
+            (Answer::Integer(-1), None),
+            (Answer::Row(vec![Some(1), Some(59), Some(0)]), None),
+            (
+                Answer::Row(vec![Some(1), None, Some(i64::MIN), Some(i64::MAX)]),
+                None,
+            ),
+            (Answer::Pair(vec![Some(0), Some(0), Some(5)], None), None),
+            (
+                Answer::Pair(vec![Some(1), Some(19), Some(0)], Some(vec![Some(1), None])),
+                None,
+            ),
+            (Answer::Row(vec![Some(1), Some(0)]), Some((300, 5_000))),
+        ] {
+            let record = record(answer, hold);
+            let text = encoded(&record);
+            assert_eq!(remembered(Some(&text), 999), Some(record.clone()));
+            assert_eq!(
+                remembered(Some(&text), 1_000),
+                None,
+                "forgotten at its time"
+            );
+            assert_eq!(forget_at(&text), Some(1_000));
+            assert_eq!(decode(&text), Some(record));
+        }
+        assert_eq!(
+            encoded(&record(
+                Answer::Pair(vec![Some(0), Some(0), Some(5)], None),
+                None
+            )),
+            b"1000 p0,0,5;"
+        );
+        assert_eq!(
+            encoded(&record(Answer::Row(vec![Some(1), None]), Some((3, 4)))),
+            b"1000 r1, h3,4,-7,9"
+        );
+    }
+
+    #[test]
+    fn chains_are_told_apart_by_keys_and_order() {
+        let chain = |keys: &[&str]| chain_of(keys.iter().map(|k| k.as_bytes()));
+        assert_eq!(chain(&["org", "key"]), chain(&["org", "key"]));
+        assert_ne!(chain(&["org", "key"]), chain(&["key", "org"]));
+        assert_ne!(chain(&["org", "key"]), chain(&["org"]));
+        assert_ne!(chain(&["ab", "c"]), chain(&["a", "bc"]));
+    }
+
+    #[test]
+    fn anything_else_is_no_remembered_reply() {
+        for text in [
+            &b""[..],
+            b"5",
+            b"x i1",
+            b"9 ",
+            b"9 q1",
+            b"9 i",
+            b"9 ix",
+            b"9 r1,x",
+            b"9 p1,2",
+            b"9 p1;x",
+            b"9 i1 x3,4",
+            b"9 i1 h3",
+            b"9 i1 h3,4",
+            b"9 i1 h3,4,5",
+            b"9 i1 h3,4,5,6,7",
+            b"9 i1 h3,4,5,6 h",
+        ] {
+            assert_eq!(remembered(Some(text), 0), None, "{text:?}");
+        }
+        assert_eq!(remembered(None, 0), None);
+        assert_eq!(forget_at(b"x i1"), None);
+    }
+
+    #[test]
+    fn forgetting_drops_the_expired_then_the_oldest_beyond_the_cap() {
+        let at = |forget_at: Option<i64>| Standing {
+            forget_at,
+            holding: false,
+        };
+        let ids = vec![
+            ("a", at(Some(10))),
+            ("b", at(Some(30))),
+            ("c", at(None)),
+            ("d", at(Some(20))),
+        ];
+        let pruned = prune(ids.clone(), 40, 15, 100, 8);
+        assert_eq!(pruned.forget, vec!["a", "c"]);
+        // Looked at again a quarter of the ttl after d's time, the earliest kept.
+        assert_eq!(pruned.prune_at, 45);
+        assert_eq!(prune(ids.clone(), 40, 0, 100, 8).forget, vec!["c"]);
+        // Three kept, at most 3: down to 3/4 of 3 = 2, oldest first.
+        let pruned = prune(ids, 40, 0, 100, 3);
+        assert_eq!(pruned.forget, vec!["c", "a"]);
+        assert_eq!(pruned.prune_at, 20 + 25);
+        let none: Vec<(&str, Standing)> = vec![];
+        assert_eq!(prune(none, 40, 0, 100, 3).prune_at, 65);
+        // A stored time at the end of the range (a stray write) saturates.
+        let far = vec![("f", at(Some(i64::MAX)))];
+        assert_eq!(prune(far, i64::MAX, 0, 100, 3).prune_at, i64::MAX);
+    }
+
+    #[test]
+    fn open_reservations_are_forgotten_last() {
+        let id = |forget_at: i64, holding: bool| Standing {
+            forget_at: Some(forget_at),
+            holding,
+        };
+        // The oldest holds a reservation: the next oldest go first.
+        let ids = vec![
+            ("stream", id(10, true)),
+            ("a", id(20, false)),
+            ("b", id(30, false)),
+            ("c", id(40, false)),
+        ];
+        assert_eq!(prune(ids, 50, 0, 100, 4).forget, vec!["a"]);
+        // Only reservations: the oldest of them, the cap is the cap.
+        let ids = vec![("x", id(20, true)), ("y", id(10, true))];
+        assert_eq!(prune(ids, 50, 0, 100, 2).forget, vec!["y"]);
+    }
+
+    #[test]
+    fn a_record_stands_by_its_time_and_its_open_hold() {
+        let record = |hold: Option<Reserved>| {
+            encoded(&Record {
+                forget_at: 500,
+                answer: Answer::Row(vec![Some(1)]),
+                hold,
+            })
+        };
+        let hold = |tokens, until| Reserved {
+            tokens,
+            until,
+            chain: 7,
+            charged: 0,
+        };
+        let standing = |value: &[u8]| standing(value, 100);
+        assert_eq!(
+            standing(&record(None)),
+            Standing {
+                forget_at: Some(500),
+                holding: false
+            }
+        );
+        assert!(standing(&record(Some(hold(40, 200)))).holding);
+        assert!(!standing(&record(Some(hold(40, 100)))).holding, "expired");
+        assert!(!standing(&record(Some(hold(0, 200)))).holding, "all paid");
+        assert_eq!(standing(b"junk").forget_at, None);
+    }
+
+    #[test]
+    fn upkeep_starts_waits_and_prunes() {
+        assert_eq!(upkeep(None, 2, 1_000, 300_000, 10), Upkeep::Start(376_000));
+        assert_eq!(
+            upkeep(Some(376_000), 9, 2_000, 300_000, 10),
+            Upkeep::Nothing
+        );
+        assert_eq!(
+            upkeep(Some(376_000), 9, 376_000, 300_000, 10),
+            Upkeep::Prune
+        );
+        assert_eq!(
+            upkeep(Some(376_000), 10 + OWN_FIELDS_MOST + 1, 2_000, 300_000, 10),
+            Upkeep::Prune,
+            "at the cap"
+        );
+        assert_eq!(
+            upkeep(None, 10 + OWN_FIELDS_MOST + 1, 2_000, 300_000, 10),
+            Upkeep::Prune
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn any_stored_bytes_get_an_answer(bytes in proptest::collection::vec(any::<u8>(), 0..40), now in any::<i64>()) {
+            let _ = remembered(Some(&bytes), now);
+            let _ = forget_at(&bytes);
+        }
+
+        #[test]
+        fn rows_round_trip(values in proptest::collection::vec(proptest::option::of(any::<i64>()), 1..6), at in 1i64..i64::MAX, hold in proptest::option::of((any::<i64>(), any::<i64>(), any::<i64>(), any::<i64>()))) {
+            let hold = hold.map(|(tokens, until, chain, charged)| Reserved { tokens, until, chain, charged });
+            let record = Record { forget_at: at, answer: Answer::Row(values), hold };
+            prop_assert_eq!(remembered(Some(&encoded(&record)), at - 1), Some(record));
+        }
+
+        #[test]
+        fn the_cap_holds(ats in proptest::collection::vec((proptest::option::of(0i64..100), any::<bool>()), 0..200), now in 0i64..100, most in 1usize..50) {
+            let n = ats.len();
+            let alive = |holding: Option<bool>| ats.iter().filter(|(at, h)| at.is_some_and(|at| at > now) && holding.is_none_or(|holding| *h == holding)).count();
+            let (all, holding) = (alive(None), alive(Some(true)));
+            let ids: Vec<(usize, Standing)> = ats.iter().map(|(forget_at, holding)| Standing { forget_at: *forget_at, holding: *holding }).enumerate().collect();
+            let pruned = prune(ids, now + 100, now, 100, most);
+            let kept = n - pruned.forget.len();
+            prop_assert!(kept <= all);
+            prop_assert!(kept < most, "room for the new one within the cap");
+            if all < most {
+                prop_assert_eq!(kept, all, "nothing alive is forgotten below the cap");
+            }
+            let holding_forgotten = pruned.forget.iter().filter(|i| ats[**i].1 && ats[**i].0.is_some_and(|at| at > now)).count();
+            if holding_forgotten > 0 {
+                prop_assert_eq!(kept, holding - holding_forgotten, "open reservations go only when nothing else is left");
+            }
+        }
+    }
+}

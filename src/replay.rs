@@ -1,0 +1,238 @@
+//! Request ids in their keys (`qag_core::replay`): a call given `ID request-id` reads
+//! the reply remembered under it, and, when there is none, remembers its own.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use qag_core::args::ArgList;
+use qag_core::replay::{self, Answer, AnswerRef, Record, Reserved, Upkeep};
+
+use crate::command::{Ctx, RawArgs, Reply, Row};
+use crate::key::{FieldName, Key, OwnedString, RawString};
+
+/// ID-SECONDS and ID-MAX: set once when the module loads.
+static ID_SECONDS: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_SECONDS);
+static ID_MAX: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_MAX);
+
+pub static SUMMARY: FieldName = FieldName::new("ids");
+
+thread_local! {
+    // Where a field name or a remembered reply is written before the server copies it:
+    // kept from call to call (commands run on the server's main thread only).
+    static TEXT: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(512));
+}
+
+/// A server string of what `write` writes into the kept buffer.
+fn string_of(ctx: &Ctx, write: impl FnOnce(&mut Vec<u8>) -> &[u8]) -> OwnedString {
+    TEXT.with_borrow_mut(|text| OwnedString::new(ctx, write(text)))
+}
+
+/// Makes the field name and keeps the load arguments; called once when the module loads.
+pub fn init(id_seconds: i64, id_max: i64) {
+    SUMMARY.create();
+    ID_SECONDS.store(id_seconds, Ordering::Relaxed);
+    ID_MAX.store(id_max, Ordering::Relaxed);
+}
+
+fn ttl_millis() -> i64 {
+    ID_SECONDS.load(Ordering::Relaxed) * 1000
+}
+
+/// How long a key that remembers ids is kept at the most from now: ID-SECONDS, rounded
+/// up to a quarter of it (whole seconds), so that a busy key's expiry moves, and is
+/// replicated, once a step rather than on every call; an idle key outlives its last id
+/// by a quarter of ID-SECONDS at the most.
+pub fn keep_until(now_millis: i64) -> i64 {
+    let ttl = ttl_millis();
+    let step = (ttl / 4000).max(1) * 1000;
+    (now_millis + ttl).div_euclid(step) * step + step
+}
+
+/// What a call remembers in its key: the fields to write with the call's own (the id's,
+/// and the time of the next look through the key's ids when that changes), and how
+/// long the key must be kept for them.
+pub struct Remembered {
+    id: (OwnedString, OwnedString),
+    prune_at: Option<OwnedString>,
+    /// The key's expiry must be no earlier than this.
+    pub keep_until: i64,
+}
+
+impl Remembered {
+    /// The fields to write: one or two.
+    pub fn fields(&self) -> impl Iterator<Item = (RawString, RawString)> + '_ {
+        std::iter::once((self.id.0.raw, self.id.1.raw))
+            .chain(self.prune_at.as_ref().map(|at| (SUMMARY.raw(), at.raw)))
+    }
+}
+
+/// One call's request id, as read from its key.
+pub struct RequestId {
+    field: OwnedString,
+    /// When the key's ids are next to be looked through, from its `ids` field.
+    prune_at: Option<i64>,
+    /// The reply remembered under it, when the call is a replay.
+    pub remembered: Option<Reply>,
+}
+
+impl RequestId {
+    /// Reads the id at argument `index` of a call of `command` from `key`.
+    pub fn read(
+        ctx: &Ctx,
+        key: &Key,
+        command: &str,
+        args: &RawArgs,
+        index: usize,
+        now_millis: i64,
+    ) -> RequestId {
+        let field = RequestId::field(ctx, command, args, index);
+        let [value, summary] = key.hash_get([field.raw, SUMMARY.raw()]);
+        RequestId::found(field, value, summary, now_millis)
+    }
+
+    /// The field of the id at argument `index` of a call of `command`, for a caller that
+    /// reads it with fields of its own (then [`RequestId::found`]).
+    pub fn field(ctx: &Ctx, command: &str, args: &RawArgs, index: usize) -> OwnedString {
+        string_of(ctx, |text| {
+            replay::field_name(text, command, args.get(index))
+        })
+    }
+
+    /// The id, from its field's value and the key's `ids` field as read.
+    pub fn found(
+        field: OwnedString,
+        value: Option<OwnedString>,
+        summary: Option<OwnedString>,
+        now_millis: i64,
+    ) -> RequestId {
+        let remembered = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)
+            .map(|record| reply_of(record.answer));
+        if remembered.is_some() {
+            crate::stats::replayed();
+        }
+        RequestId {
+            field,
+            prune_at: summary.and_then(|s| qag_core::args::parse_integer(s.bytes())),
+            remembered,
+        }
+    }
+
+    /// Remembers `reply` under the id until ID-SECONDS from now: the fields to write
+    /// with the call's own. Looks through the key's ids first, and removes those
+    /// forgotten, when it is time or the key is at its cap.
+    pub fn remember(self, ctx: &Ctx, key: &mut Key, reply: &Reply, now_millis: i64) -> Remembered {
+        self.remember_holding(ctx, key, reply, None, now_millis)
+    }
+
+    /// Remembers `reply` and the reservation `hold` the call made, until ID-SECONDS from
+    /// now or, when later, until the hold stops counting.
+    pub fn remember_holding(
+        self,
+        ctx: &Ctx,
+        key: &mut Key,
+        reply: &Reply,
+        hold: Option<Reserved>,
+        now_millis: i64,
+    ) -> Remembered {
+        let (ttl, most) = (ttl_millis(), ID_MAX.load(Ordering::Relaxed) as usize);
+        let forget_at = (now_millis + ttl).max(hold.map_or(0, |h| h.until));
+        let prune_at = match replay::upkeep(self.prune_at, key.len(), now_millis, ttl, most) {
+            Upkeep::Nothing => None,
+            Upkeep::Start(at) => Some(at),
+            Upkeep::Prune => {
+                let ids = key
+                    .hash_entries_where(&|name| name.starts_with(replay::FIELD_PREFIX))
+                    .into_iter()
+                    .map(|(name, value)| {
+                        let standing = replay::standing(value.bytes(), now_millis);
+                        (name, standing)
+                    })
+                    .collect();
+                let pruned = replay::prune(ids, forget_at, now_millis, ttl, most);
+                let forget: Vec<_> = pruned.forget.iter().map(|name| name.raw).collect();
+                key.delete_fields(&forget);
+                Some(pruned.prune_at)
+            }
+        };
+        let record = string_of(ctx, |text| {
+            replay::encode(text, forget_at, answer_of(reply), hold)
+        });
+        Remembered {
+            id: (self.field, record),
+            prune_at: prune_at.map(|at| OwnedString::from_integer(ctx, at)),
+            keep_until: keep_until(now_millis).max(forget_at),
+        }
+    }
+}
+
+/// A reservation an earlier QAG.ADMIT remembered, as QAG.RECORD finds it in its first key.
+pub struct Reservation {
+    field: OwnedString,
+    record: Record,
+    /// The reservation as remembered.
+    pub reserved: Reserved,
+    /// Whether it still holds tokens on its scopes (else it expired: only what its
+    /// partial charges charged is left of it).
+    pub open: bool,
+}
+
+impl Reservation {
+    /// The reservation of request id `args[index]` in `key`, made on the chain of keys
+    /// `chain` (a RECORD on another chain finds nothing), and not yet committed.
+    pub fn find(
+        ctx: &Ctx,
+        key: &Key,
+        args: &RawArgs,
+        index: usize,
+        chain: i64,
+        now_millis: i64,
+    ) -> Option<Reservation> {
+        let field = string_of(ctx, |text| {
+            replay::field_name(text, "admit", args.get(index))
+        });
+        let [value] = key.hash_get([field.raw]);
+        let record = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)?;
+        let reserved = record.hold.filter(|h| h.chain == chain)?;
+        Some(Reservation {
+            field,
+            record,
+            reserved,
+            open: reserved.until > now_millis && reserved.tokens > 0,
+        })
+    }
+
+    /// The ADMIT's record after a partial charge of `charged` tokens that released
+    /// `released` of the hold, or (None) after the commit, to write with the call's own
+    /// fields.
+    pub fn after(self, ctx: &Ctx, partial: Option<(i64, i64)>) -> (OwnedString, OwnedString) {
+        let hold = partial.map(|(charged, released)| Reserved {
+            tokens: self.reserved.tokens - released,
+            charged: self.reserved.charged.saturating_add(charged),
+            ..self.reserved
+        });
+        let record = &self.record;
+        let value = string_of(ctx, |text| {
+            replay::encode(text, record.forget_at, record.answer.as_ref(), hold)
+        });
+        (self.field, value)
+    }
+}
+
+fn answer_of(reply: &Reply) -> AnswerRef<'_> {
+    match reply {
+        Reply::Integer(v) => AnswerRef::Integer(*v),
+        Reply::Array(row) => AnswerRef::Row(row.values()),
+        Reply::Pair(first, second) => {
+            AnswerRef::Pair(first.values(), second.as_ref().map(Row::values))
+        }
+    }
+}
+
+fn reply_of(answer: Answer) -> Reply {
+    let row = |values: Vec<Option<i64>>| Row::new(&values[..values.len().min(6)]);
+    match answer {
+        Answer::Integer(v) => Reply::Integer(v),
+        Answer::Row(values) => Reply::Array(row(values)),
+        Answer::Pair(first, second) => Reply::Pair(row(first), second.map(row)),
+    }
+}
