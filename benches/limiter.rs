@@ -40,7 +40,7 @@ fn token_bucket(c: &mut Criterion) {
         b"2",
     ];
     c.bench_function("bucket::parse_take", |b| {
-        b.iter(|| bucket::parse_take(black_box(&args[..])))
+        b.iter(|| bucket::parse_take(black_box(&args[..]), true))
     });
     c.bench_function("bucket::parse_state", |b| {
         b.iter(|| {
@@ -51,7 +51,7 @@ fn token_bucket(c: &mut Criterion) {
         })
     });
     c.bench_function("number::format_number", |b| {
-        let mut buffer = ryu::Buffer::new();
+        let mut buffer = qag_core::number::NumberBuffer::new();
         b.iter(|| format_number(&mut buffer, black_box(NOW)).len())
     });
 }
@@ -66,6 +66,7 @@ fn sliding_window(c: &mut Criterion) {
                 previous_requests: 2 * requests,
                 tokens: 900 * requests,
                 previous_tokens: 1_800 * requests,
+                held: 0,
             },
         )
     };
@@ -76,7 +77,7 @@ fn sliding_window(c: &mut Criterion) {
         scope(100, 20_000, 40),
     ];
     c.bench_function("window::admit (3 scopes)", |b| {
-        b.iter(|| window::admit(black_box(&chain[..]), black_box(&clock)))
+        b.iter(|| window::admit(black_box(&chain[..]), black_box(&clock), 0))
     });
     c.bench_function("window::is_stale", |b| {
         b.iter(|| window::is_stale(black_box(b"req:29407349"), black_box(&clock)))

@@ -1,42 +1,104 @@
 //! A gateway on axum, limited by qag's tower layer: the address's bucket, the key's
-//! bucket, its calls quota and its concurrent queries, with the answers of ADR 0032.
+//! bucket, its calls quota and its concurrent queries, with the answers of ADR 0032; and,
+//! with `--tpm`, the handler's own token reservation for a model call.
 //!
 //! cargo run --release -p qag-client --features tower --example axum_gateway -- \
 //!   --redis redis://127.0.0.1:6379/ --listen 127.0.0.1:8080 [--client-limit 20/1] \
 //!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000 --quota-per month \
-//!   --quota-tz Europe/Berlin] [--policy raise|forward|local]
+//!   --quota-tz Europe/Berlin] [--tpm 100000] [--policy raise|forward|local]
 //!
-//! GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a
-//! body streamed in `chunks` pieces over work_ms.
+//! GET /v1/query?key=K[&work_ms=N][&chunks=N][&reserve=T][&tokens=A]: a small JSON body
+//! after work_ms, or a body streamed in `chunks` pieces over work_ms. With `--tpm`, the
+//! key's `qag:win:{K}:tokens` holds `reserve` tokens (default 1000) for the request and
+//! is charged `tokens` (default `reserve`) in the end, in parts while it streams; a
+//! request cancelled before its end commits what it charged, releasing its hold.
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Query};
+use axum::extract::{ConnectInfo, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Router};
 use qag_client::tower::{Admitted, KeyLimits, RateLimitLayer};
-use qag_client::{Limiter, OnUnavailable, Options, Per, Quota};
+use qag_client::{Limiter, OnUnavailable, Options, Per, Quota, Reservation, Scope};
+use redis::aio::ConnectionManager;
+
+/// The handler's own limits: the key's tokens per minute, if any.
+#[derive(Clone)]
+struct Models {
+    limiter: Limiter<ConnectionManager>,
+    tpm: Option<u64>,
+}
 
 async fn query(
+    State(models): State<Models>,
     Query(work): Query<HashMap<String, String>>,
     Extension(admitted): Extension<Admitted>,
-) -> Body {
+) -> Response {
     let number = |name: &str| work.get(name).and_then(|n| n.parse::<u64>().ok());
     let wait = Duration::from_millis(number("work_ms").unwrap_or(0));
-    let Some(chunks) = number("chunks").filter(|n| *n > 0).map(|n| n as u32) else {
-        tokio::time::sleep(wait).await;
-        return Body::from(format!("{{\"request_id\":\"{}\"}}", admitted.request_id));
+    let estimate = number("reserve").unwrap_or(1000);
+    let used = number("tokens").unwrap_or(estimate);
+    let reservation = match (models.tpm, &admitted.api_key) {
+        (Some(tpm), Some(key)) => {
+            let scope = Scope {
+                key: format!("qag:win:{{{key}}}:tokens"),
+                rpm: 0,
+                tpm,
+            };
+            // Its own request id (the default): never the caller's x-request-id, which
+            // would let a caller replay an admission uncharged.
+            match models.limiter.reserve(&[scope], estimate, None, None).await {
+                Ok(reservation) if reservation.admitted() => Some(reservation),
+                Ok(refused) => {
+                    let retry = refused.admission().retry_after.seconds().unwrap_or(60);
+                    let body = r#"{"error":"Token limit exceeded for this API key","code":"rate_limited"}"#;
+                    let headers = [("retry-after", retry.max(1).to_string())];
+                    return (StatusCode::TOO_MANY_REQUESTS, headers, body).into_response();
+                }
+                Err(error) => {
+                    let body = format!(r#"{{"error":"Rate limiting is unavailable: {error}"}}"#);
+                    return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
+                }
+            }
+        }
+        _ => None,
     };
-    let pieces = futures_util::stream::unfold(0, move |sent| async move {
+    let Some(chunks) = number("chunks").filter(|n| *n > 0) else {
+        tokio::time::sleep(wait).await; // the model call; a cancel drops the reservation
+        if let Some(reservation) = reservation {
+            commit(reservation, used).await;
+        }
+        return Body::from(format!("{{\"request_id\":\"{}\"}}", admitted.request_id))
+            .into_response();
+    };
+    let state = (0, reservation);
+    let pieces = futures_util::stream::unfold(state, move |(sent, mut reservation)| async move {
         if sent == chunks {
+            if let Some(reservation) = reservation {
+                commit(reservation, used).await;
+            }
             return None;
         }
-        tokio::time::sleep(wait / chunks).await;
-        Some((Ok::<_, std::io::Error>(format!("row {sent}\n")), sent + 1))
+        tokio::time::sleep(wait / chunks as u32).await;
+        if let Some(reservation) = reservation.as_mut() {
+            // Each piece's share of the count, paid as it streams.
+            let _ = reservation.charge(used / chunks).await;
+        }
+        let piece = Ok::<_, std::io::Error>(format!("row {sent}\n"));
+        Some((piece, (sent + 1, reservation)))
     });
-    Body::from_stream(pieces)
+    Body::from_stream(pieces).into_response()
+}
+
+/// The response's actual count; a commit that fails goes on in the background.
+async fn commit(reservation: Reservation<ConnectionManager>, used: u64) {
+    if let Err(error) = reservation.commit(used).await {
+        eprintln!("committing {used} tokens: {error}");
+    }
 }
 
 #[tokio::main]
@@ -48,6 +110,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..Options::default()
     };
     let limiter = Limiter::connect(&args.redis, options).await?;
+    let models = Models {
+        limiter: limiter.clone(),
+        tpm: args.tpm,
+    };
     let mut limits = RateLimitLayer::new(limiter)
         .client_address(|parts| {
             let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>()?;
@@ -66,7 +132,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some((count, period)) = args.client_limit {
         limits = limits.client_bucket(count, period);
     }
-    let app = Router::new().route("/v1/query", get(query)).layer(limits);
+    let app = Router::new()
+        .route("/v1/query", get(query))
+        .with_state(models)
+        .layer(limits);
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("listening on {}", listener.local_addr()?);
     let service = app.into_make_service_with_connect_info::<SocketAddr>();
@@ -82,6 +151,7 @@ struct Args {
     key_limit: Option<(u64, f64)>,
     max_concurrent: Option<u64>,
     quota: Option<Quota>,
+    tpm: Option<u64>,
     policy: OnUnavailable,
 }
 
@@ -94,6 +164,7 @@ impl Args {
             key_limit: None,
             max_concurrent: None,
             quota: None,
+            tpm: None,
             policy: OnUnavailable::Raise,
         };
         let (mut calls, mut per, mut zone) = (None, Per::Month, "UTC".to_string());
@@ -106,6 +177,7 @@ impl Args {
                 "--client-limit" => args.client_limit = Some(rate(&value)?),
                 "--key-limit" => args.key_limit = Some(rate(&value)?),
                 "--max-concurrent" => args.max_concurrent = Some(number("--max-concurrent")?),
+                "--tpm" => args.tpm = Some(number("--tpm")?),
                 "--quota-calls" => calls = Some(number("--quota-calls")?),
                 "--quota-tz" => zone = value,
                 "--quota-per" => {

@@ -1,15 +1,19 @@
 //! Token buckets: QAG.TAKE, QAG.TAKE2 and QAG.PEEK where the module is, the script (and
 //! a read for PEEK) where it is not, and the answers of the outage policy.
 
+use std::time::Instant;
+
 use qag_core::bucket::{self, Limit, TakeArgs};
 use redis::aio::ConnectionLike;
 use redis::{cmd, Cmd};
 
+use crate::cluster::slot_of;
 use crate::decision::{AnsweredBy, Decision, PairDecision, Refunded, RetryAfter};
 use crate::error::{classify, Error};
 use crate::limiter::{check, failure_error, Answer, Instead, Limiter, Path};
 use crate::local::{share_of, LocalBuckets};
 use crate::naming::Bucket;
+use crate::CrossSlot;
 
 impl Answer for Decision {
     fn answered_by(&self) -> Option<AnsweredBy> {
@@ -52,7 +56,7 @@ impl BucketCall {
             "COST",
             &cost_text,
         ];
-        let args = check(|words| bucket::parse_take(words), &words)?;
+        let args = check(|words| bucket::parse_take(words, true), &words)?;
         Ok(BucketCall {
             key: key.to_owned(),
             args,
@@ -114,12 +118,20 @@ impl BucketCall {
         push_cost(&mut command, self.cost);
         command
     }
+
+    /// QAG.TAKE with the call's id, its last option.
+    fn take_command(&self, id: &str) -> Cmd {
+        let mut command = self.command("QAG.TAKE");
+        command.arg("ID").arg(id);
+        command
+    }
 }
 
 /// A number as the module and the script read it back: the shortest exact decimal.
 fn number_text(value: f64) -> String {
     if value.is_finite() {
-        qag_core::number::format_number(&mut ryu::Buffer::new(), value).to_owned()
+        qag_core::number::format_number(&mut qag_core::number::NumberBuffer::new(), value)
+            .to_owned()
     } else {
         // Refused by the parser with the module's message.
         value.to_string()
@@ -143,8 +155,10 @@ where
 {
     /// Takes `cost` tokens from `bucket`.
     pub async fn take(&self, bucket: &Bucket, cost: u64) -> Result<Decision, Error> {
+        let this = &self.for_keys(&[bucket.key()]).await?;
         let call = BucketCall::new(bucket, cost)?;
-        self.run(self.take_remote(&call), |instead| {
+        let id = this.call_id();
+        this.run(this.take_remote(&call, &id), |instead| {
             Some(match instead {
                 Instead::Forward => call.forwarded(),
                 Instead::Local {
@@ -167,9 +181,27 @@ where
         key: &Bucket,
         cost: u64,
     ) -> Result<PairDecision, Error> {
+        let started = Instant::now();
+        if self.on_cluster().await
+            && slot_of(client.key().as_bytes()) != slot_of(key.key().as_bytes())
+        {
+            return match self.options.cross_slot {
+                CrossSlot::Error => Err(Error::CrossSlot(format!(
+                    "the buckets {} and {} are in different cluster slots: give both a common \
+                     hash tag (bucket_key(.., Some(tag))), or choose CrossSlot::TwoCalls",
+                    client.key(),
+                    key.key()
+                ))),
+                CrossSlot::TwoCalls => self.take_pair_in_two_calls(client, key, cost).await,
+            };
+        }
+        let this = &self
+            .for_keys_from(&[client.key(), key.key()], started)
+            .await?;
         let client = BucketCall::new(client, cost)?;
         let key = BucketCall::new(key, cost)?;
-        self.run(self.take_pair_remote(&client, &key), |instead| {
+        let id = this.call_id();
+        this.run(this.take_pair_remote(&client, &key, &id), |instead| {
             Some(match instead {
                 Instead::Forward => PairDecision {
                     client: client.forwarded(),
@@ -193,10 +225,44 @@ where
         .await
     }
 
+    /// A pair across slots in two calls: the client bucket, then, if it allowed, the
+    /// key bucket; a key bucket that refuses gets the client bucket's tokens back (only
+    /// what Redis took: never a local or forwarded decision's).
+    async fn take_pair_in_two_calls(
+        &self,
+        client: &Bucket,
+        key: &Bucket,
+        cost: u64,
+    ) -> Result<PairDecision, Error> {
+        let client_decision = self.take(client, cost).await?;
+        if !client_decision.allowed {
+            return Ok(PairDecision {
+                client: client_decision,
+                key: None,
+            });
+        }
+        let key_decision = self.take(key, cost).await?;
+        let from_redis = matches!(
+            client_decision.answered_by,
+            AnsweredBy::Module | AnsweredBy::Script
+        );
+        if !key_decision.allowed && from_redis {
+            if let Err(error) = self.refund(client, cost).await {
+                // Counted in the errors: the token stays spent.
+                log::warn!(target: "qag_client", "giving back {}'s token failed: {error}", client.key());
+            }
+        }
+        Ok(PairDecision {
+            client: client_decision,
+            key: Some(key_decision),
+        })
+    }
+
     /// What `take` would answer now, writing nothing.
     pub async fn peek(&self, bucket: &Bucket, cost: u64) -> Result<Decision, Error> {
+        let this = &self.for_keys(&[bucket.key()]).await?;
         let call = BucketCall::new(bucket, cost)?;
-        self.run(self.peek_remote(&call), |instead| {
+        this.run(this.peek_remote(&call), |instead| {
             Some(match instead {
                 Instead::Forward => call.forwarded(),
                 Instead::Local {
@@ -217,20 +283,28 @@ where
     /// Gives `n` tokens back to `bucket`: QAG.REFUND, or `lua/token_refund.lua` without
     /// the module. For a request that one limit admitted and a later one refused.
     pub async fn refund(&self, bucket: &Bucket, n: u64) -> Result<Refunded, Error> {
+        let this = &self.for_keys(&[bucket.key()]).await?;
         let call = BucketCall::new(bucket, 1)?;
         let (key, count) = (bucket.key(), bucket.count());
         let n_text = n.to_string();
         let count_text = count.to_string();
         let words = ["QAG.REFUND", key, &count_text, &call.period_text, &n_text];
         let args = check(|words| bucket::parse_refund(words), &words)?;
+        let id = this.call_id();
         let remote = async {
-            let remaining = if self.path().await? == Path::Module {
+            let remaining = if this.path().await? == Path::Module {
                 let mut command = cmd("QAG.REFUND");
-                command.arg(key).arg(count).arg(&call.period_text).arg(n);
-                match self.query::<i64>(&command).await {
+                command
+                    .arg(key)
+                    .arg(count)
+                    .arg(&call.period_text)
+                    .arg(n)
+                    .arg("ID")
+                    .arg(&id);
+                match this.query_replayable::<i64>(&command).await {
                     Ok(left) => Some((left, AnsweredBy::Module)),
                     Err(failure) => {
-                        self.module_failed(failure)?;
+                        this.module_failed(failure)?;
                         None
                     }
                 }
@@ -240,14 +314,14 @@ where
             let (left, answered_by) = match remaining {
                 Some(answer) => answer,
                 None => {
-                    let left: i64 = self
+                    let left: i64 = this
                         .shared
                         .refund_script
                         .key(key)
                         .arg(count)
                         .arg(&call.period_text)
                         .arg(n)
-                        .invoke_async(&mut self.con.clone())
+                        .invoke_async(&mut this.con.clone())
                         .await
                         .map_err(|error| failure_error(classify(&error)))?;
                     (left, AnsweredBy::Script)
@@ -259,7 +333,7 @@ where
                 answered_by,
             })
         };
-        self.run(remote, |instead| {
+        this.run(remote, |instead| {
             Some(match instead {
                 Instead::Forward => Refunded {
                     remaining: count,
@@ -286,9 +360,12 @@ where
         .await
     }
 
-    async fn take_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
+    async fn take_remote(&self, call: &BucketCall, id: &str) -> Result<Decision, Error> {
         if self.path().await? == Path::Module {
-            match self.query::<Vec<i64>>(&call.command("QAG.TAKE")).await {
+            match self
+                .query_replayable::<Vec<i64>>(&call.take_command(id))
+                .await
+            {
                 Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }
@@ -300,6 +377,7 @@ where
         &self,
         client: &BucketCall,
         key: &BucketCall,
+        id: &str,
     ) -> Result<PairDecision, Error> {
         if self.path().await? == Path::Module {
             let mut command = cmd("QAG.TAKE2");
@@ -311,7 +389,11 @@ where
                 .arg(key.count)
                 .arg(&key.period_text);
             push_cost(&mut command, client.cost);
-            match self.query::<(Vec<i64>, Option<Vec<i64>>)>(&command).await {
+            command.arg("ID").arg(id);
+            match self
+                .query_replayable::<(Vec<i64>, Option<Vec<i64>>)>(&command)
+                .await
+            {
                 Ok((client_reply, key_reply)) => {
                     let key_decision = key_reply
                         .map(|reply| key.decision(&reply, AnsweredBy::Module))
@@ -338,7 +420,10 @@ where
 
     async fn peek_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
         if self.path().await? == Path::Module {
-            match self.query::<Vec<i64>>(&call.command("QAG.PEEK")).await {
+            match self
+                .query_replayable::<Vec<i64>>(&call.command("QAG.PEEK"))
+                .await
+            {
                 Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }

@@ -74,9 +74,12 @@ pub enum Error {
     ModuleRequired,
     /// Arguments the module would refuse; nothing was sent.
     InvalidArgument(String),
-    /// Any other error reply (e.g. WRONGTYPE, CROSSSLOT, OOM), or a reply of an
-    /// unexpected shape.
+    /// Any other error reply (e.g. WRONGTYPE, OOM), or a reply of an unexpected shape.
     Server(Reason),
+    /// On a cluster, the keys of one call are in different slots: nothing was sent
+    /// (the module would answer CROSSSLOT, the script would run them apart). Give them
+    /// a common hash tag; for a pair, or choose [`CrossSlot::TwoCalls`](crate::CrossSlot).
+    CrossSlot(String),
 }
 
 impl Error {
@@ -99,6 +102,7 @@ impl fmt::Display for Error {
             ),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
             Error::Server(why) => write!(f, "the server answered an error: {why}"),
+            Error::CrossSlot(why) => write!(f, "{why}"),
         }
     }
 }

@@ -91,6 +91,9 @@ where
         ttl: Duration,
         answered_by: AnsweredBy,
     ) -> Self {
+        // Renewals and releases get the whole deadline each, not what the acquire left.
+        let mut limiter = limiter.clone();
+        limiter.options.deadline = limiter.shared.deadline;
         let (report_lost, lost) = watch::channel(false);
         let renewed = Arc::new(Renewals::default());
         let renewals = (answered_by == AnsweredBy::Module).then(|| {
@@ -104,7 +107,7 @@ where
             ))
         });
         LeaseGuard {
-            limiter: limiter.clone(),
+            limiter,
             key: key.to_owned(),
             id: id.to_owned(),
             ttl,
@@ -167,7 +170,7 @@ where
                 answer
             }
             AnsweredBy::Local => {
-                lock(&self.limiter.shared.local)
+                lock(&self.limiter.node.local)
                     .leases
                     .release(&self.key, &self.id);
                 Ok(true)
@@ -199,7 +202,7 @@ where
                 &self.id,
                 Instant::now() + self.ttl,
             ),
-            AnsweredBy::Local => lock(&self.limiter.shared.local)
+            AnsweredBy::Local => lock(&self.limiter.node.local)
                 .leases
                 .release(&self.key, &self.id),
             AnsweredBy::Forwarded => {}
@@ -223,7 +226,7 @@ where
         let mut last_error = None;
         loop {
             let attempt = tokio::time::timeout(
-                limiter.options.deadline,
+                limiter.shared.deadline,
                 limiter.query::<i64>(cmd("QAG.RELEASE").arg(&key).arg(&id)),
             )
             .await;
@@ -324,6 +327,7 @@ where
         ttl: Duration,
         id: &str,
     ) -> Result<Lease<C>, Error> {
+        let this = &self.for_keys(&[key]).await?;
         let ttl_ms = ttl.as_millis().to_string();
         let max_text = max.to_string();
         check(
@@ -332,14 +336,14 @@ where
         )?;
         let maybe_held = AtomicBool::new(false);
         let pending = PendingAcquire {
-            limiter: self,
+            limiter: this,
             key,
             id,
             until: Instant::now() + ttl,
             maybe_held: &maybe_held,
         };
         let remote = async {
-            if self.options.backend == crate::Backend::Script || self.path().await? == Path::Script
+            if this.options.backend == crate::Backend::Script || this.path().await? == Path::Script
             {
                 return Err(Error::ModuleRequired);
             }
@@ -350,7 +354,7 @@ where
                 .arg(&ttl_ms)
                 .arg(id)
                 .to_owned();
-            let reply = match self.query::<Vec<i64>>(&command).await {
+            let reply = match this.query::<Vec<i64>>(&command).await {
                 Ok(reply) => reply,
                 Err(Failure::UnknownCommand) => {
                     maybe_held.store(false, Ordering::Release);
@@ -367,7 +371,7 @@ where
             maybe_held.store(false, Ordering::Release);
             match *reply {
                 [1, _, _] => Ok(Lease::Held(LeaseGuard::new(
-                    self,
+                    this,
                     key,
                     id,
                     ttl,
@@ -383,16 +387,16 @@ where
                 )),
             }
         };
-        let answer = self
+        let answer = this
             .run(remote, |instead| {
                 Some(match instead {
                     Instead::Forward => {
-                        Lease::Held(LeaseGuard::new(self, key, id, ttl, AnsweredBy::Forwarded))
+                        Lease::Held(LeaseGuard::new(this, key, id, ttl, AnsweredBy::Forwarded))
                     }
                     Instead::Local { state, share, .. } => {
                         match state.leases.acquire(key, id, share_of(max, share)) {
                             Ok(()) => {
-                                Lease::Held(LeaseGuard::new(self, key, id, ttl, AnsweredBy::Local))
+                                Lease::Held(LeaseGuard::new(this, key, id, ttl, AnsweredBy::Local))
                             }
                             Err(live) => Lease::Refused(LeaseRefusal {
                                 live,
@@ -410,37 +414,43 @@ where
 
     /// Extends `id`'s lease to now + `ttl`; false when the lease is gone.
     pub async fn renew(&self, key: &str, id: &str, ttl: Duration) -> Result<bool, Error> {
+        let this = &self.for_keys(&[key]).await?;
         let ttl_ms = ttl.as_millis().to_string();
         check(
             |words| qag_core::lease::parse_renew(words),
             &["QAG.RENEW", key, id, &ttl_ms],
         )?;
         let command = cmd("QAG.RENEW").arg(key).arg(id).arg(&ttl_ms).to_owned();
-        let remote = async { Ok(self.module_call::<i64>(&command).await? == 1) };
-        self.run(remote, |_| None).await
+        let remote = async { Ok(this.module_call::<i64>(&command).await? == 1) };
+        this.run(remote, |_| None).await
     }
 
     /// Frees `id`'s slot; false when it held none.
     pub async fn release(&self, key: &str, id: &str) -> Result<bool, Error> {
+        let this = &self.for_keys(&[key]).await?;
         check(
             |words| qag_core::lease::parse_release(words),
             &["QAG.RELEASE", key, id],
         )?;
         let command = cmd("QAG.RELEASE").arg(key).arg(id).to_owned();
-        let remote = async { Ok(self.module_call::<i64>(&command).await? == 1) };
-        self.run(remote, |_| None).await
+        let remote = async { Ok(this.module_call::<i64>(&command).await? == 1) };
+        this.run(remote, |_| None).await
     }
 
     /// The live leases of `key` (under the `Local` policy, during a back-off: the ones
     /// this process counts).
     pub async fn leases(&self, key: &str) -> Result<u64, Error> {
+        let this = &self.for_keys(&[key]).await?;
         check(
             |words| qag_core::lease::parse_leases(words),
             &["QAG.LEASES", key],
         )?;
         let command = cmd("QAG.LEASES").arg(key).to_owned();
-        let remote = async { Ok(self.module_call::<i64>(&command).await?.max(0) as u64) };
-        self.run(remote, |instead| match instead {
+        let remote = async {
+            let live = this.module_call_replayable::<i64>(&command).await?;
+            Ok(live.max(0) as u64)
+        };
+        this.run(remote, |instead| match instead {
             Instead::Forward => None,
             Instead::Local { state, .. } => Some(state.leases.live(key)),
         })

@@ -12,15 +12,19 @@
 
 pub mod answers;
 mod buckets;
+mod cluster;
 pub mod decision;
 mod error;
 pub mod headers;
+mod ids;
 mod leases;
 mod limiter;
 pub mod local;
 pub mod naming;
+mod nodes;
 mod policy;
 mod quotas;
+mod reservations;
 #[cfg(feature = "tower")]
 pub mod tower;
 mod windows;
@@ -31,7 +35,10 @@ pub use decision::{
 };
 pub use error::{Error, Reason};
 pub use headers::Headers;
+pub use ids::new_request_id;
 pub use leases::{Lease, LeaseGuard};
-pub use limiter::{Backend, Limiter, Options, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA};
+pub use limiter::{Backend, CrossSlot, Limiter, Options, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA};
 pub use naming::{bucket_key, Bucket};
+pub use nodes::ClusterNodes;
 pub use policy::{Counts, OnUnavailable};
+pub use reservations::Reservation;

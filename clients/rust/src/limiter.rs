@@ -2,6 +2,7 @@
 //! per-call deadline, and running every call under the outage policy. The commands of
 //! each family are in their own files (buckets, leases, quotas, windows).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -10,9 +11,12 @@ use qag_core::args::ArgError;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{cmd, Cmd, FromRedisValue, Value};
 
+use crate::cluster::{common_slot, parse_slots, Kind, Topology};
 use crate::decision::AnsweredBy;
 use crate::error::{classify, Error, Failure};
+use crate::ids::{check_id, new_request_id};
 use crate::local::LocalState;
+use crate::nodes::ClusterNodes;
 use crate::policy::{Counts, OnUnavailable, Outage, Route};
 
 /// The repository's token-bucket script, compiled in: the module's contract, one text.
@@ -23,8 +27,9 @@ pub const TOKEN_REFUND_LUA: &str = include_str!("../../../lua/token_refund.lua")
 /// Where token-bucket calls go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Backend {
-    /// The module where the server has it, else the script; asked with
-    /// `COMMAND INFO qag.take` and remembered.
+    /// The module where the server has it, else the script: the module's command is
+    /// sent, and a server answering "unknown command" is remembered without it (per
+    /// node on a cluster).
     #[default]
     Auto,
     /// The module only: [`Error::ModuleRequired`] where it is missing.
@@ -52,6 +57,22 @@ pub struct Options {
     /// How long a server found without the module is believed: after that, `Auto`
     /// asks again (the module may have been loaded in a rolling upgrade).
     pub recheck_missing_module: Duration,
+    /// On a cluster, a `take_pair` whose buckets are in two slots.
+    pub cross_slot: CrossSlot,
+}
+
+/// What `take_pair` does on a cluster with buckets in two slots (QAG.TAKE2 would answer
+/// CROSSSLOT, the script would run them apart): the same whether the module or the
+/// script answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CrossSlot {
+    /// [`Error::CrossSlot`], nothing sent: give both buckets a common hash tag.
+    #[default]
+    Error,
+    /// Two calls: the client bucket, then, if it allowed, the key bucket; a key bucket
+    /// that refuses gets the client bucket's tokens given back (QAG.REFUND or the
+    /// refund script).
+    TwoCalls,
 }
 
 impl Default for Options {
@@ -63,16 +84,20 @@ impl Default for Options {
             back_off: Duration::from_secs(5),
             local_share: 1.0,
             recheck_missing_module: Duration::from_secs(10),
+            cross_slot: CrossSlot::Error,
         }
     }
 }
 
-/// What `Auto` knows of the server.
-#[derive(Clone, Copy, Debug)]
+/// What `Auto` knows of the server: missing since when, if it answered "unknown
+/// command".
+#[derive(Clone, Copy, Debug, Default)]
 enum Presence {
+    #[default]
     Unknown,
-    Present,
-    Missing { since: Instant },
+    Missing {
+        since: Instant,
+    },
 }
 
 /// The path a call takes to Redis.
@@ -82,7 +107,10 @@ pub(crate) enum Path {
     Script,
 }
 
-pub(crate) struct Shared {
+/// What the limiter knows of one server: the module's presence, the back-off and the
+/// local counts (on a cluster, one per primary; else one).
+#[derive(Default)]
+pub(crate) struct Node {
     presence: Mutex<Presence>,
     outage: Mutex<Outage>,
     pub(crate) local: Mutex<LocalState>,
@@ -90,17 +118,34 @@ pub(crate) struct Shared {
     /// Something was counted locally since Redis last answered (without a back-off,
     /// the next answer drops it).
     counted_locally: AtomicBool,
+}
+
+pub(crate) struct Shared {
+    /// By `host:port` on a cluster; "" before the slot table is known, and on a single
+    /// server.
+    nodes: Mutex<HashMap<String, Arc<Node>>>,
+    /// Shared with the connection when it routes by it ([`ClusterNodes`]).
+    topology: Arc<Mutex<Topology>>,
+    /// The limiter's deadline (a view's for one call may be shorter).
+    pub(crate) deadline: Duration,
     pub(crate) script: redis::Script,
     pub(crate) refund_script: redis::Script,
 }
 
 /// A rate limiter over one connection (a `ConnectionManager`, a `MultiplexedConnection`
 /// or an async cluster connection). Cheap to clone: clones share what they know of the
-/// server, the back-off and the local counts.
+/// servers, the back-offs and the local counts. On a cluster, each primary has its own
+/// module presence, back-off and local counts (the slot table read with `CLUSTER
+/// SLOTS`), so one shard's failure changes nothing for keys on the others.
 pub struct Limiter<C> {
     pub(crate) con: C,
     pub(crate) options: Options,
     pub(crate) shared: Arc<Shared>,
+    /// The node this view of the limiter calls (see [`Limiter::for_keys`]).
+    pub(crate) node: Arc<Node>,
+    /// The caller's request id for every call (see [`Limiter::with_id`]); else each
+    /// call makes its own.
+    pub(crate) id: Option<Arc<str>>,
 }
 
 impl<C: Clone> Clone for Limiter<C> {
@@ -109,6 +154,8 @@ impl<C: Clone> Clone for Limiter<C> {
             con: self.con.clone(),
             options: self.options,
             shared: self.shared.clone(),
+            node: self.node.clone(),
+            id: self.id.clone(),
         }
     }
 }
@@ -117,8 +164,29 @@ impl<C> std::fmt::Debug for Limiter<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Limiter")
             .field("options", &self.options)
-            .field("counts", &*lock(&self.shared.counts))
+            .field("counts", &self.shared.counts())
             .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn node(&self, name: &str) -> Arc<Node> {
+        lock(&self.nodes)
+            .entry(name.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    fn all(&self) -> Vec<Arc<Node>> {
+        lock(&self.nodes).values().cloned().collect()
+    }
+
+    fn counts(&self) -> Counts {
+        let mut total = Counts::default();
+        for node in self.all() {
+            total.add(&lock(&node.counts));
+        }
+        total
     }
 }
 
@@ -198,6 +266,23 @@ impl Limiter<ConnectionManager> {
     }
 }
 
+impl Limiter<ClusterNodes> {
+    /// A limiter on a Redis Cluster that `seeds` (`redis://…` URLs of some of its nodes;
+    /// the first one's user and password are used for all) belong to, routing each call
+    /// itself: to the primary owning its keys' slot in the slot table the limiter reads,
+    /// on a connection of its own per node, following MOVED, ASK and TRYAGAIN. Connects
+    /// on first use (a gateway starts while the cluster is down), within the deadline.
+    pub fn connect_cluster(
+        seeds: &[&str],
+        options: Options,
+    ) -> Result<Limiter<ClusterNodes>, Error> {
+        let nodes = ClusterNodes::new(seeds.to_vec(), options.deadline)
+            .map_err(|error| Error::InvalidArgument(format!("cluster seeds {seeds:?}: {error}")))?;
+        let topology = nodes.topology();
+        Ok(Limiter::with_topology(nodes, options, topology))
+    }
+}
+
 impl<C> Limiter<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -206,22 +291,55 @@ where
         Limiter::with_options(con, Options::default())
     }
 
-    pub fn with_options(con: C, mut options: Options) -> Limiter<C> {
+    pub fn with_options(con: C, options: Options) -> Limiter<C> {
+        Limiter::with_topology(con, options, Arc::default())
+    }
+
+    fn with_topology(con: C, mut options: Options, topology: Arc<Mutex<Topology>>) -> Limiter<C> {
         let share = options.local_share;
         options.local_share = if share > 0.0 { share.min(1.0) } else { 1.0 };
+        let shared = Arc::new(Shared {
+            nodes: Mutex::new(HashMap::new()),
+            topology,
+            deadline: options.deadline,
+            script: redis::Script::new(TOKEN_BUCKET_LUA),
+            refund_script: redis::Script::new(TOKEN_REFUND_LUA),
+        });
         Limiter {
             con,
             options,
-            shared: Arc::new(Shared {
-                presence: Mutex::new(Presence::Unknown),
-                outage: Mutex::new(Outage::default()),
-                local: Mutex::new(LocalState::default()),
-                counts: Mutex::new(Counts::default()),
-                counted_locally: AtomicBool::new(false),
-                script: redis::Script::new(TOKEN_BUCKET_LUA),
-                refund_script: redis::Script::new(TOKEN_REFUND_LUA),
-            }),
+            node: shared.node(""),
+            shared,
+            id: None,
         }
+    }
+
+    /// This limiter with the caller's own request id (e.g. the gateway's id of the
+    /// request, so that its retries of one request count once): every call that counts
+    /// (`take`, `take_pair`, `refund`, `quota_add`, `admit`, `reserve`, `record`) sends
+    /// `ID id`. The module keeps ids per key and per command, so one id serves every call
+    /// one request makes; a second call of one command on one key with that id is a
+    /// replay: it answers the first call's reply and counts nothing. Never take it from
+    /// the incoming request unchecked: a caller who picks ids gets the first answer
+    /// again, uncharged, by reusing one. 1 to 128 bytes, else
+    /// [`Error::InvalidArgument`] (nothing is sent).
+    pub fn with_id(&self, id: &str) -> Result<Limiter<C>, Error> {
+        check_id(id)?;
+        let mut limiter = self.clone();
+        limiter.id = Some(id.into());
+        Ok(limiter)
+    }
+
+    /// The caller's request id, if [`Limiter::with_id`] gave one.
+    pub fn request_id(&self) -> Option<&str> {
+        self.id.as_deref()
+    }
+
+    /// The id a call sends: the caller's, else a new one.
+    pub(crate) fn call_id(&self) -> String {
+        self.id
+            .as_deref()
+            .map_or_else(new_request_id, str::to_owned)
     }
 
     pub fn options(&self) -> Options {
@@ -229,9 +347,13 @@ where
     }
 
     /// True while Redis is left alone after a failure (a back-off runs or its probe is
-    /// out): calls are answered by the policy.
+    /// out; on a cluster, on some node): calls are answered by the policy.
     pub fn backing_off(&self) -> bool {
-        lock(&self.shared.outage).backing_off(Instant::now())
+        let now = Instant::now();
+        self.shared
+            .all()
+            .iter()
+            .any(|node| lock(&node.outage).backing_off(now))
     }
 
     /// True while calls are decided in this process (`Local`, backing off).
@@ -241,18 +363,96 @@ where
 
     /// How many calls were decided locally since the limiter was built.
     pub fn local_decisions(&self) -> u64 {
-        lock(&self.shared.counts).local
+        self.shared.counts().local
     }
 
     /// How calls were answered since the limiter was built, and how many failed.
     pub fn counts(&self) -> Counts {
-        *lock(&self.shared.counts)
+        self.shared.counts()
     }
 
     /// A failure nobody awaits (a background release or renewal): counted and logged.
     pub(crate) fn background_failure(&self, what: &str, error: &Error) {
-        lock(&self.shared.counts).errors += 1;
+        lock(&self.node.counts).errors += 1;
         log::warn!(target: "qag_client", "{what} failed: {error}");
+    }
+
+    /// This limiter as it calls the node owning the keys' slot (one slot, else
+    /// [`Error::CrossSlot`] with nothing sent): its state is that node's. On a single
+    /// server, and while the slot table is unknown, the one node. The first call reads
+    /// the table (`CLUSTER SLOTS`, within the deadline; a server without cluster
+    /// support answers that it has none); later readings run in the background when due.
+    pub(crate) async fn for_keys(&self, keys: &[&str]) -> Result<Limiter<C>, Error> {
+        self.for_keys_from(keys, Instant::now()).await
+    }
+
+    /// [`Limiter::for_keys`] for a call that began at `started`: the view's deadline is
+    /// what is left of the call's (the first reading of the table included).
+    pub(crate) async fn for_keys_from(
+        &self,
+        keys: &[&str],
+        started: Instant,
+    ) -> Result<Limiter<C>, Error> {
+        self.first_table().await;
+        let now = Instant::now();
+        let troubled = self.troubled(now);
+        let (owner, refresh) = {
+            let mut topology = lock(&self.shared.topology);
+            if topology.kind == Kind::Cluster && troubled {
+                topology.node_failed();
+            }
+            let refresh = topology.start_refresh(now);
+            let owner = match topology.kind {
+                Kind::Cluster => topology.owner(common_slot(keys)?).map(str::to_owned),
+                _ => None,
+            };
+            (owner, refresh)
+        };
+        if refresh {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    let task =
+                        read_table(self.con.clone(), self.shared.clone(), self.options.deadline);
+                    drop(runtime.spawn(task));
+                }
+                Err(_) => lock(&self.shared.topology).refresh_failed(now),
+            }
+        }
+        let mut limiter = self.clone();
+        limiter.node = self.shared.node(owner.as_deref().unwrap_or(""));
+        let left = self.options.deadline.saturating_sub(started.elapsed());
+        limiter.options.deadline = left.max(Duration::from_millis(1));
+        Ok(limiter)
+    }
+
+    /// The first reading of the slot table, once (the calls meanwhile go on).
+    async fn first_table(&self) {
+        let first = {
+            let mut topology = lock(&self.shared.topology);
+            topology.kind == Kind::Unknown && topology.start_first()
+        };
+        if first {
+            read_table(self.con.clone(), self.shared.clone(), self.options.deadline).await;
+        }
+    }
+
+    /// True on a cluster (as far as the slot table says).
+    pub(crate) async fn on_cluster(&self) -> bool {
+        self.first_table().await;
+        lock(&self.shared.topology).kind == Kind::Cluster
+    }
+
+    /// Whether the slot table names a node that is backing off (its replica may have
+    /// taken over: the table is read again).
+    fn troubled(&self, now: Instant) -> bool {
+        let nodes: Vec<(String, Arc<Node>)> = lock(&self.shared.nodes)
+            .iter()
+            .map(|(name, node)| (name.clone(), node.clone()))
+            .collect();
+        let topology = lock(&self.shared.topology);
+        nodes
+            .iter()
+            .any(|(name, node)| topology.names(name) && lock(&node.outage).backing_off(now))
     }
 
     /// Runs one call under the outage policy: to Redis within the deadline unless a
@@ -262,22 +462,23 @@ where
         remote: impl std::future::Future<Output = Result<T, Error>>,
         instead: impl FnOnce(Instead<'_>) -> Option<T>,
     ) -> Result<T, Error> {
-        let route = lock(&self.shared.outage).route(Instant::now());
+        let route = lock(&self.node.outage).route(Instant::now());
         let answer = match route {
             Route::Policy => {
-                let cause = lock(&self.shared.outage).backing_off_error();
+                let cause = lock(&self.node.outage).backing_off_error();
                 self.answer_instead(instead, cause)
             }
             Route::Redis { probe } => {
                 let mut turn = ProbeTurn {
-                    outage: &self.shared.outage,
+                    outage: &self.node.outage,
                     probe,
                 };
                 let answer = self.within_deadline(remote).await;
                 turn.probe = false;
                 match answer {
                     Err(error) if error.is_unavailable() => {
-                        lock(&self.shared.outage).failed(
+                        lock(&self.shared.topology).node_failed();
+                        lock(&self.node.outage).failed(
                             probe,
                             Instant::now(),
                             self.options.back_off,
@@ -286,18 +487,18 @@ where
                         self.answer_instead(instead, error)
                     }
                     answer => {
-                        let ended = lock(&self.shared.outage).answered(probe);
+                        let ended = lock(&self.node.outage).answered(probe);
                         let no_back_off = self.options.back_off.is_zero()
-                            && self.shared.counted_locally.swap(false, Ordering::Relaxed);
+                            && self.node.counted_locally.swap(false, Ordering::Relaxed);
                         if ended || no_back_off {
-                            lock(&self.shared.local).clear();
+                            lock(&self.node.local).clear();
                         }
                         answer
                     }
                 }
             }
         };
-        let mut counts = lock(&self.shared.counts);
+        let mut counts = lock(&self.node.counts);
         match &answer {
             Ok(answer) => {
                 if let Some(by) = answer.answered_by() {
@@ -318,9 +519,9 @@ where
             OnUnavailable::Raise => None,
             OnUnavailable::Forward => instead(Instead::Forward),
             OnUnavailable::Local => {
-                self.shared.counted_locally.store(true, Ordering::Relaxed);
+                self.node.counted_locally.store(true, Ordering::Relaxed);
                 instead(Instead::Local {
-                    state: &mut lock(&self.shared.local),
+                    state: &mut lock(&self.node.local),
                     now_micros: unix_micros(),
                     share: self.options.local_share,
                 })
@@ -339,7 +540,7 @@ where
             .await
             .unwrap_or(Err(Error::Timeout));
         if answer.as_ref().is_err_and(Error::is_unavailable) {
-            *lock(&self.shared.presence) = Presence::Unknown;
+            *lock(&self.node.presence) = Presence::Unknown;
         }
         answer
     }
@@ -363,10 +564,32 @@ where
     /// A command of a family without a script: ModuleRequired where the module is
     /// known missing or turns out missing.
     pub(crate) async fn module_call<T: FromRedisValue>(&self, command: &Cmd) -> Result<T, Error> {
+        self.module_call_of(command, false).await
+    }
+
+    /// [`Limiter::module_call`] of a command that carries an `ID` or only reads: sent
+    /// once more after a dropped connection (see [`Limiter::query_replayable`]).
+    pub(crate) async fn module_call_replayable<T: FromRedisValue>(
+        &self,
+        command: &Cmd,
+    ) -> Result<T, Error> {
+        self.module_call_of(command, true).await
+    }
+
+    async fn module_call_of<T: FromRedisValue>(
+        &self,
+        command: &Cmd,
+        replayable: bool,
+    ) -> Result<T, Error> {
         if self.options.backend == Backend::Script || self.path().await? == Path::Script {
             return Err(Error::ModuleRequired);
         }
-        self.query(command).await.map_err(|failure| match failure {
+        let answer = if replayable {
+            self.query_replayable(command).await
+        } else {
+            self.query(command).await
+        };
+        answer.map_err(|failure| match failure {
             Failure::UnknownCommand => {
                 self.note_missing();
                 Error::ModuleRequired
@@ -375,46 +598,28 @@ where
         })
     }
 
-    /// Which path a bucket call takes now.
+    /// Which path a bucket call takes now: the module unless this node answered
+    /// "unknown command" within `recheck_missing_module` (the call's own reply tells,
+    /// on the node that runs it: no separate question to any node).
     pub(crate) async fn path(&self) -> Result<Path, Error> {
         match self.options.backend {
             Backend::Module => return Ok(Path::Module),
             Backend::Script => return Ok(Path::Script),
             Backend::Auto => {}
         }
-        let presence = *lock(&self.shared.presence);
+        let presence = *lock(&self.node.presence);
         match presence {
-            Presence::Present => return Ok(Path::Module),
             Presence::Missing { since }
                 if since.elapsed() < self.options.recheck_missing_module =>
             {
-                return Ok(Path::Script)
+                Ok(Path::Script)
             }
-            _ => {}
-        }
-        let command = cmd("COMMAND").arg("INFO").arg("qag.take").to_owned();
-        let found = match self.query::<Value>(&command).await {
-            Ok(Value::Array(entries)) => !matches!(entries.as_slice(), [] | [Value::Nil]),
-            Ok(other) => {
-                return Err(Error::Server(
-                    format!("a COMMAND INFO reply, got {other:?}").into(),
-                ))
-            }
-            // A user without COMMAND: try the module's command; its answer tells.
-            Err(Failure::Error(Error::Permission(_))) => true,
-            Err(failure) => return Err(failure_error(failure)),
-        };
-        if found {
-            *lock(&self.shared.presence) = Presence::Present;
-            Ok(Path::Module)
-        } else {
-            self.note_missing();
-            Ok(Path::Script)
+            _ => Ok(Path::Module),
         }
     }
 
     fn note_missing(&self) {
-        *lock(&self.shared.presence) = Presence::Missing {
+        *lock(&self.node.presence) = Presence::Missing {
             since: Instant::now(),
         };
     }
@@ -424,6 +629,53 @@ where
             .query_async(&mut self.con.clone())
             .await
             .map_err(|error| classify(&error))
+    }
+
+    /// Sends a command that carries an `ID`, and once more, with that id, when the
+    /// connection dropped before its reply (reset, EOF, broken pipe: whether it ran is
+    /// unknown). The module answers the replay with the first call's reply if it ran, so
+    /// it counts once either way; the caller's deadline bounds both. A command that only
+    /// reads is resent the same way (a restart drops the connection under every call: no
+    /// outage). A timeout is never resent (no time is left), and a write without an id
+    /// never comes here.
+    pub(crate) async fn query_replayable<T: FromRedisValue>(
+        &self,
+        command: &Cmd,
+    ) -> Result<T, Failure> {
+        match command.query_async(&mut self.con.clone()).await {
+            // A ConnectionManager reconnects after the failure: the replay waits for
+            // the fresh connection.
+            Err(error) if error.is_connection_dropped() && !error.is_timeout() => {
+                log::debug!(target: "qag_client", "replaying a call after: {error}");
+                self.query(command).await
+            }
+            answer => answer.map_err(|error| classify(&error)),
+        }
+    }
+}
+
+/// Reads the slot table with `CLUSTER SLOTS` (the cluster connection sends it to any
+/// node) within the deadline.
+async fn read_table<C: ConnectionLike + Send>(mut con: C, shared: Arc<Shared>, deadline: Duration) {
+    let reply = tokio::time::timeout(
+        deadline,
+        cmd("CLUSTER").arg("SLOTS").query_async::<Value>(&mut con),
+    )
+    .await;
+    let mut topology = lock(&shared.topology);
+    match reply {
+        Ok(Ok(reply)) => match parse_slots(&reply) {
+            Some(ranges) => topology.learned(ranges, Instant::now()),
+            None => topology.refresh_failed(Instant::now()),
+        },
+        // A server without cluster support, or a user without CLUSTER: one node.
+        Ok(Err(error))
+            if error.to_string().contains("cluster support disabled")
+                || error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) =>
+        {
+            topology.single()
+        }
+        _ => topology.refresh_failed(Instant::now()),
     }
 }
 

@@ -253,15 +253,20 @@ impl WindowCounts {
     fn at(&mut self, clock: &Clock) -> &mut Counters {
         let window = clock.window();
         if window != self.window {
-            let previous = if window == self.window + 1 {
-                (self.counters.requests, self.counters.tokens)
+            // Holds count until the end of the next window, as the module's do.
+            let (previous, held) = if window == self.window + 1 {
+                (
+                    (self.counters.requests, self.counters.tokens),
+                    self.counters.held,
+                )
             } else {
-                (0, 0)
+                ((0, 0), 0)
             };
             self.window = window;
             self.counters = Counters {
                 previous_requests: previous.0,
                 previous_tokens: previous.1,
+                held,
                 ..Counters::default()
             };
         }
@@ -277,6 +282,18 @@ pub struct LocalWindows {
 impl LocalWindows {
     /// QAG.ADMIT's decision on this process's counts, limits already scaled.
     pub fn admit(&mut self, scopes: &[(&str, window::Limits)], clock: &Clock) -> window::Admission {
+        self.admit_reserving(scopes, clock, 0)
+    }
+
+    /// QAG.ADMIT … RESERVE's decision: admitted only if `reserve` tokens fit beside
+    /// what is counted and held, then held on every scope until [`LocalWindows::release`]
+    /// (or the end of the next window).
+    pub fn admit_reserving(
+        &mut self,
+        scopes: &[(&str, window::Limits)],
+        clock: &Clock,
+        reserve: i64,
+    ) -> window::Admission {
         if self.scopes.len() >= PRUNE_ABOVE {
             let current = clock.window();
             self.scopes.retain(|_, counts| counts.window >= current - 1);
@@ -285,13 +302,23 @@ impl LocalWindows {
             .iter()
             .map(|(key, limits)| (*limits, *self.scope(key, clock)))
             .collect();
-        let admission = window::admit(&counted, clock);
+        let admission = window::admit(&counted, clock, reserve);
         if admission.admitted {
             for (key, _) in scopes {
-                self.scope(key, clock).requests += 1;
+                let counters = self.scope(key, clock);
+                counters.requests += 1;
+                counters.held = counters.held.saturating_add(reserve);
             }
         }
         admission
+    }
+
+    /// Stops holding `tokens` of a reservation on every scope (never below 0).
+    pub fn release(&mut self, keys: &[&str], tokens: i64, clock: &Clock) {
+        for key in keys {
+            let counters = self.scope(key, clock);
+            counters.held = counters.held.saturating_sub(tokens).max(0);
+        }
     }
 
     /// Charges `tokens` to every scope's current window.
@@ -417,6 +444,49 @@ mod tests {
         assert!(check.allowed);
         assert_eq!(check.calls_remaining, Some(10));
         assert_eq!(check.resets_at, 5_000);
+    }
+
+    #[test]
+    fn local_reservations_hold_until_released_and_into_the_next_window() {
+        let mut windows = LocalWindows::default();
+        let limits = window::Limits { rpm: 0, tpm: 1000 };
+        let clock = Clock::new(60, 1_000_000);
+        let admitted = (0..12)
+            .filter(|_| {
+                windows
+                    .admit_reserving(&[("s", limits)], &clock, 100)
+                    .admitted
+            })
+            .count();
+        assert_eq!(admitted, 10, "10 holds of 100 fill a tpm of 1000");
+        windows.release(&["s"], 100, &clock);
+        windows.record(&["s"], 40, &clock);
+        assert!(
+            windows
+                .admit_reserving(&[("s", limits)], &clock, 60)
+                .admitted
+        );
+        assert!(
+            !windows
+                .admit_reserving(&[("s", limits)], &clock, 1)
+                .admitted
+        );
+        // The next window: the holds still count, the previous tokens fully at its start.
+        let next = Clock::new(60, 61_000_000);
+        assert!(!windows.admit_reserving(&[("s", limits)], &next, 1).admitted);
+        windows.release(&["s"], 10_000, &next);
+        assert!(
+            windows
+                .admit_reserving(&[("s", limits)], &next, 900)
+                .admitted
+        );
+        // Two windows later nothing weighs, holds included.
+        let later = Clock::new(60, 181_000_000);
+        assert!(
+            windows
+                .admit_reserving(&[("s", limits)], &later, 1000)
+                .admitted
+        );
     }
 
     #[test]

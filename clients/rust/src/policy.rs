@@ -122,6 +122,15 @@ impl Counts {
         };
         *counter += 1;
     }
+
+    /// Another node's counts added (a cluster's are its nodes' together).
+    pub(crate) fn add(&mut self, other: &Counts) {
+        self.module += other.module;
+        self.script += other.script;
+        self.local += other.local;
+        self.forwarded += other.forwarded;
+        self.errors += other.errors;
+    }
 }
 
 #[cfg(test)]

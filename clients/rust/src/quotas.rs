@@ -48,21 +48,22 @@ where
 {
     /// The check before a call: whether `quota` allows one more. Module only.
     pub async fn quota_check(&self, key: &str, quota: &Quota) -> Result<QuotaDecision, Error> {
+        let this = &self.for_keys(&[key]).await?;
         let mut words = quota_words("QAG.QUOTA", key, quota);
         for (name, limit) in [("CALLS", quota.calls), ("ROWS", quota.rows)] {
             if let Some(limit) = limit {
                 words.extend([name.to_owned(), limit.to_string()]);
             }
         }
-        let args = check(|words| quota::parse_quota(words), &words)?;
+        let args = check(|words| quota::parse_quota(words, true), &words)?;
         let remote = async {
-            let reply: Vec<Option<i64>> = self.module_call(&command(&words)).await?;
+            let reply: Vec<Option<i64>> = this.module_call_replayable(&command(&words)).await?;
             let decision = QuotaDecision::from_reply(&reply, quota)
                 .map_err(|why| Error::Server(why.into()))?;
             let used = |limit: Option<u64>, left: Option<u64>| {
                 Some(as_count(limit?.saturating_sub(left?)))
             };
-            lock(&self.shared.local).quotas.saw(
+            lock(&this.node.local).quotas.saw(
                 key,
                 used(decision.calls_limit, decision.calls_remaining),
                 used(decision.rows_limit, decision.rows_remaining),
@@ -71,7 +72,7 @@ where
             );
             Ok(decision)
         };
-        self.run(remote, |instead| {
+        this.run(remote, |instead| {
             Some(match instead {
                 Instead::Forward => QuotaDecision {
                     allowed: true,
@@ -105,6 +106,7 @@ where
     }
 
     /// The count after a call: adds `calls` and `rows` to `quota`'s current period.
+    /// Replayable: sent with an id, once more after a dropped connection.
     pub async fn quota_add(
         &self,
         key: &str,
@@ -137,6 +139,7 @@ where
         calls: u64,
         rows: u64,
     ) -> Result<QuotaUsage, Error> {
+        let this = &self.for_keys(&[key]).await?;
         let mut words = quota_words(command_name, key, quota);
         words.extend([
             "CALLS".into(),
@@ -144,11 +147,22 @@ where
             "ROWS".into(),
             rows.to_string(),
         ]);
-        let args = check(|words| quota::parse_quota(words), &words)?;
+        // An add counts, so it carries an id and is replayed; a seed counts the same
+        // however often it runs.
+        let seed = command_name == "QAG.QUOTA.SEED";
+        if !seed {
+            words.extend(["ID".into(), this.call_id()]);
+        }
+        let args = check(|words| quota::parse_quota(words, true), &words)?;
         let remote = async {
-            let reply: Vec<i64> = self.module_call(&command(&words)).await?;
+            let command = command(&words);
+            let reply: Vec<i64> = if seed {
+                this.module_call(&command).await?
+            } else {
+                this.module_call_replayable(&command).await?
+            };
             let usage = QuotaUsage::from_reply(&reply).map_err(|why| Error::Server(why.into()))?;
-            lock(&self.shared.local).quotas.saw(
+            lock(&this.node.local).quotas.saw(
                 key,
                 Some(as_count(usage.calls)),
                 Some(as_count(usage.rows)),
@@ -157,8 +171,7 @@ where
             );
             Ok(usage)
         };
-        let seed = command_name == "QAG.QUOTA.SEED";
-        self.run(remote, |instead| {
+        this.run(remote, |instead| {
             Some(match instead {
                 Instead::Forward => QuotaUsage {
                     calls: 0,

@@ -19,7 +19,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -33,6 +33,7 @@ use crate::answers::Refusal;
 use crate::decision::{AnsweredBy, Decision, PairDecision, Quota, QuotaDecision};
 use crate::error::Error;
 use crate::headers::Headers;
+use crate::ids::new_request_id;
 use crate::leases::{Lease, LeaseGuard};
 use crate::limiter::Limiter;
 use crate::naming::Bucket;
@@ -271,9 +272,14 @@ struct Limited<'a, C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    limiter: &'a Limiter<C>,
+    /// The layer's limiter, for what runs after the request (rows reported late).
+    base: &'a Limiter<C>,
+    /// The limiter with the request's id on every call that counts (so a call replayed
+    /// after a dropped connection counts once).
+    limiter: Limiter<C>,
     config: &'a Config,
-    /// Unique to this request in this process: its slot's lease id.
+    /// Made for this request, never the caller's text (a caller choosing ids would get
+    /// replays, uncharged, and could share a slot): its calls' id and its slot's lease id.
     id: String,
     request_id: String,
     quota_key: Option<String>,
@@ -292,7 +298,9 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     fn new(limiter: &'a Limiter<C>, config: &'a Config, parts: &Parts) -> Self {
-        let id = unique_id();
+        let id = new_request_id();
+        let mut view = limiter.clone();
+        view.id = Some(id.as_str().into());
         let request_id = parts
             .headers
             .get("x-request-id")
@@ -316,7 +324,8 @@ where
             _ => None,
         };
         Limited {
-            limiter,
+            base: limiter,
+            limiter: view,
             config,
             id,
             request_id,
@@ -513,7 +522,8 @@ where
         parts.headers.extend(fields);
         let at_end = AtEnd {
             guard: self.guard.take(),
-            rows: quota.map(|(key, quota)| (self.limiter.clone(), key, quota, rows)),
+            // Its own id: a second add with the request's would be a replay.
+            rows: quota.map(|(key, quota)| (self.base.clone(), key, quota, rows)),
         };
         Response::from_parts(parts, LimitedBody::Answer(body, Some(Box::new(at_end))))
     }
@@ -614,18 +624,4 @@ fn unix_seconds() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs() as i64)
-}
-
-/// An id unique to this process's requests (the process and its start, then a count):
-/// never a caller's text, so two requests can never share a slot by sending one id.
-fn unique_id() -> String {
-    static PROCESS: OnceLock<String> = OnceLock::new();
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let process = PROCESS.get_or_init(|| {
-        let started = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |since| since.as_nanos() as u64);
-        format!("{:x}-{started:x}", std::process::id())
-    });
-    format!("{process}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
 }

@@ -1,5 +1,10 @@
 //! Sliding windows across a chain of scopes: QAG.ADMIT before a model call, QAG.RECORD
-//! of its tokens after it (module only), and the answers of the outage policy.
+//! of its tokens after it (module only), and the answers of the outage policy. Both carry
+//! an id and are replayed after a dropped connection; reservations (`RESERVE`, `PARTIAL`)
+//! are built on them in reservations.rs.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use qag_core::window::{self, Clock};
 use redis::aio::ConnectionLike;
@@ -27,7 +32,11 @@ fn push_window(words: &mut Vec<String>, window: Option<u32>) {
     }
 }
 
-fn clock(window: Option<u32>, now_micros: i64) -> Clock {
+pub(crate) fn as_tokens(tokens: u64) -> i64 {
+    i64::try_from(tokens).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn clock(window: Option<u32>, now_micros: i64) -> Clock {
     let seconds = window.map_or(window::DEFAULT_WINDOW_SECONDS, i64::from);
     Clock::new(seconds, now_micros)
 }
@@ -41,87 +50,143 @@ fn local_limit(limit: u64, share: f64) -> i64 {
     }
 }
 
+/// What an ADMIT reserves: `RESERVE tokens [HOLD ms]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Reserve {
+    pub(crate) tokens: u64,
+    pub(crate) hold: Option<Duration>,
+}
+
 impl<C> Limiter<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// Admits a request through every scope of a chain (requests and tokens per
     /// window, default 60 s), charging one request to each when admitted. Module only.
+    /// Replayable: sent with an id, once more after a dropped connection.
     pub async fn admit(&self, scopes: &[Scope], window: Option<u32>) -> Result<Admission, Error> {
-        let mut words = vec!["QAG.ADMIT".to_owned(), scopes.len().to_string()];
-        for scope in scopes {
-            words.extend([
-                scope.key.clone(),
-                scope.rpm.to_string(),
-                scope.tpm.to_string(),
-            ]);
-        }
-        push_window(&mut words, window);
-        check(|words| window::parse_admit(words), &words)?;
-        let remote = async {
-            let reply: Vec<i64> = self.module_call(&command(&words)).await?;
-            Admission::from_reply(&reply).map_err(|why| Error::Server(why.into()))
-        };
-        self.run(remote, |instead| {
-            Some(match instead {
-                Instead::Forward => Admission {
-                    admitted: true,
-                    refused_by: None,
-                    retry_after: RetryAfter::Seconds(0),
-                    requests_remaining: None,
-                    tokens_remaining: None,
-                    answered_by: AnsweredBy::Forwarded,
-                },
-                Instead::Local {
-                    state,
-                    now_micros,
-                    share,
-                } => {
-                    let limits: Vec<(&str, window::Limits)> = scopes
-                        .iter()
-                        .map(|scope| {
-                            let limits = window::Limits {
-                                rpm: local_limit(scope.rpm, share),
-                                tpm: local_limit(scope.tpm, share),
-                            };
-                            (scope.key.as_str(), limits)
-                        })
-                        .collect();
-                    let reply = state
-                        .windows
-                        .admit(&limits, &clock(window, now_micros))
-                        .as_reply();
-                    let admission = Admission::from_reply(&reply).ok()?;
-                    Admission {
-                        answered_by: AnsweredBy::Local,
-                        ..admission
-                    }
-                }
-            })
-        })
-        .await
+        self.admit_as(scopes, window, None, &self.call_id(), None)
+            .await
     }
 
-    /// Charges `tokens` to every scope's current window after the response.
+    /// QAG.ADMIT with `id`, reserving tokens if `reserve` says so; `sent` is set before
+    /// the command may reach Redis (for a reservation's release if the call fails).
+    pub(crate) async fn admit_as(
+        &self,
+        scopes: &[Scope],
+        window: Option<u32>,
+        reserve: Option<Reserve>,
+        id: &str,
+        sent: Option<&AtomicBool>,
+    ) -> Result<Admission, Error> {
+        let this = &self
+            .for_keys(
+                &scopes
+                    .iter()
+                    .map(|scope| scope.key.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .await?;
+        let words = admit_words(scopes, window, reserve, id);
+        check(|words| window::parse_admit(words), &words)?;
+        let remote = async {
+            if let Some(sent) = sent {
+                sent.store(true, Ordering::Release);
+            }
+            let reply: Vec<i64> = this.module_call_replayable(&command(&words)).await?;
+            Admission::from_reply(&reply).map_err(|why| Error::Server(why.into()))
+        };
+        let answer = this
+            .run(remote, |instead| {
+                Some(match instead {
+                    Instead::Forward => Admission {
+                        admitted: true,
+                        refused_by: None,
+                        retry_after: RetryAfter::Seconds(0),
+                        requests_remaining: None,
+                        tokens_remaining: None,
+                        answered_by: AnsweredBy::Forwarded,
+                    },
+                    Instead::Local {
+                        state,
+                        now_micros,
+                        share,
+                    } => {
+                        let limits: Vec<(&str, window::Limits)> = scopes
+                            .iter()
+                            .map(|scope| {
+                                let limits = window::Limits {
+                                    rpm: local_limit(scope.rpm, share),
+                                    tpm: local_limit(scope.tpm, share),
+                                };
+                                (scope.key.as_str(), limits)
+                            })
+                            .collect();
+                        let reserve = reserve.map_or(0, |reserve| as_tokens(reserve.tokens));
+                        let reply = state
+                            .windows
+                            .admit_reserving(&limits, &clock(window, now_micros), reserve)
+                            .as_reply();
+                        let admission = Admission::from_reply(&reply).ok()?;
+                        Admission {
+                            answered_by: AnsweredBy::Local,
+                            ..admission
+                        }
+                    }
+                })
+            })
+            .await;
+        if let (Some(sent), Err(error)) = (sent, &answer) {
+            // An error reply ran nothing; only a call that may have run needs a release.
+            if !error.is_unavailable() {
+                sent.store(false, Ordering::Release);
+            }
+        }
+        answer
+    }
+
+    /// Charges `tokens` to every scope's current window after the response. Replayable:
+    /// sent with an id, once more after a dropped connection.
     pub async fn record(
         &self,
         keys: &[&str],
         tokens: u64,
         window: Option<u32>,
     ) -> Result<Recorded, Error> {
-        let mut words = vec!["QAG.RECORD".to_owned(), keys.len().to_string()];
-        words.extend(keys.iter().map(|key| key.to_string()));
-        words.push(tokens.to_string());
-        push_window(&mut words, window);
+        self.record_as(keys, tokens, window, &self.call_id(), false)
+            .await
+    }
+
+    /// QAG.RECORD with `id`: a commit of its reservation, if it has one, or with
+    /// `partial` a part of its count paid early (never resent: the commit settles a
+    /// partial that ran twice or never).
+    pub(crate) async fn record_as(
+        &self,
+        keys: &[&str],
+        tokens: u64,
+        window: Option<u32>,
+        id: &str,
+        partial: bool,
+    ) -> Result<Recorded, Error> {
+        let this = &self.for_keys(keys).await?;
+        let mut words = record_words(keys, tokens, window, id);
+        if partial {
+            words.push("PARTIAL".into());
+        }
         check(|words| window::parse_record(words), &words)?;
         let remote = async {
-            let charged: i64 = self.module_call(&command(&words)).await?;
+            let command = command(&words);
+            let charged: i64 = if partial {
+                this.module_call(&command).await?
+            } else {
+                this.module_call_replayable(&command).await?
+            };
             Ok(Recorded {
                 charged: charged.max(0) as u64,
                 answered_by: AnsweredBy::Module,
             })
         };
-        self.run(remote, |instead| {
+        this.run(remote, |instead| {
             Some(match instead {
                 Instead::Forward => Recorded {
                     charged: 0,
@@ -130,10 +195,9 @@ where
                 Instead::Local {
                     state, now_micros, ..
                 } => {
-                    let tokens = i64::try_from(tokens).unwrap_or(i64::MAX);
                     state
                         .windows
-                        .record(keys, tokens, &clock(window, now_micros));
+                        .record(keys, as_tokens(tokens), &clock(window, now_micros));
                     Recorded {
                         charged: keys.len() as u64,
                         answered_by: AnsweredBy::Local,
@@ -142,5 +206,82 @@ where
             })
         })
         .await
+    }
+}
+
+/// QAG.ADMIT's words with `ID id` last (and `RESERVE tokens [HOLD ms]` for a reservation).
+pub(crate) fn admit_words(
+    scopes: &[Scope],
+    window: Option<u32>,
+    reserve: Option<Reserve>,
+    id: &str,
+) -> Vec<String> {
+    let mut words = vec!["QAG.ADMIT".to_owned(), scopes.len().to_string()];
+    for scope in scopes {
+        words.extend([
+            scope.key.clone(),
+            scope.rpm.to_string(),
+            scope.tpm.to_string(),
+        ]);
+    }
+    push_window(&mut words, window);
+    if let Some(reserve) = reserve {
+        words.extend(["RESERVE".into(), reserve.tokens.to_string()]);
+        if let Some(hold) = reserve.hold {
+            // Whole milliseconds, at least 1 (the module rounds up to a sixteenth of
+            // the window).
+            let millis = hold.as_millis().max(1);
+            words.extend(["HOLD".into(), millis.to_string()]);
+        }
+    }
+    words.extend(["ID".into(), id.to_owned()]);
+    words
+}
+
+/// QAG.RECORD's words with `ID id` (a commit, or a plain record when `id` holds nothing).
+pub(crate) fn record_words<S: AsRef<str>>(
+    keys: &[S],
+    tokens: u64,
+    window: Option<u32>,
+    id: &str,
+) -> Vec<String> {
+    let mut words = vec!["QAG.RECORD".to_owned(), keys.len().to_string()];
+    words.extend(keys.iter().map(|key| key.as_ref().to_owned()));
+    words.push(tokens.to_string());
+    push_window(&mut words, window);
+    words.extend(["ID".into(), id.to_owned()]);
+    words
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_names_its_id_last_and_the_parser_takes_it() {
+        let words = record_words(&["a", "b"], 120, Some(30), "req-1");
+        assert_eq!(
+            words,
+            [
+                "QAG.RECORD",
+                "2",
+                "a",
+                "b",
+                "120",
+                "WINDOW",
+                "30",
+                "ID",
+                "req-1"
+            ]
+        );
+        let args = check(|words| window::parse_record(words), &words).unwrap();
+        assert_eq!((args.tokens, args.partial), (120, false));
+        let mut partial = record_words(&["a"], 5, None, "req-1");
+        partial.push("PARTIAL".into());
+        assert!(
+            check(|words| window::parse_record(words), &partial)
+                .unwrap()
+                .partial
+        );
     }
 }

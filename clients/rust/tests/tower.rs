@@ -2,7 +2,8 @@
 //! against a real server, driven by a real HTTP client. Exact headers call by call, the
 //! 429 at the right request with ADR 0032's body, the client's bucket refusing without
 //! touching the key's, refunds on later refusals, the quota counting down, streams
-//! holding their slot to the last byte, and a client gone mid-stream freeing it.
+//! holding their slot to the last byte, a client gone mid-stream freeing it, and a
+//! cancelled request leaving no token hold and no slot behind.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -345,4 +346,80 @@ async fn a_request_the_limiter_cannot_finish_costs_no_tokens() {
     }
     let key = "qag:ratelimit:key:3/3600:acme~m";
     assert_eq!(bucket_tokens(&mut con, key), Some(3));
+}
+
+/// A request the client gives up on (its future dropped by the server when the
+/// connection closes) leaves nothing held: the handler's token reservation is
+/// committed with what it charged (nothing, or the parts streamed), and the layer's
+/// slot is released, within a second, not when the hold or the lease expire.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_request_leaves_no_hold() {
+    if external("a_cancelled_request_leaves_no_hold") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let gateway = Gateway::start(
+        &server,
+        &[
+            "--key-limit",
+            "100/3600",
+            "--max-concurrent",
+            "4",
+            "--tpm",
+            "10000",
+        ],
+    );
+    let window = "qag:win:{acme~c}:tokens";
+    let slots = "qag:running:acme~c";
+    let leases = |con: &mut Connection| -> i64 { cmd("QAG.LEASES").arg(slots).query(con).unwrap() };
+    let nothing_left = |con: &mut Connection, expected_tokens: i64, what: &str| {
+        let until = Instant::now() + Duration::from_secs(1);
+        loop {
+            let now = (held(con, window), leases(con), counted(con, window, "tok:"));
+            if now == (0, 0, expected_tokens) {
+                return;
+            }
+            assert!(
+                Instant::now() < until,
+                "{what}: (held, slots, tokens) = {now:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+
+    // Finished: 1000 tokens counted, nothing held.
+    let (status, _, _) = get(&gateway.url("key=acme~c&reserve=3000&tokens=1000")).await;
+    assert_eq!(status, 200);
+    nothing_left(&mut con, 1000, "a finished request");
+
+    // Cancelled while the handler waits for its model: 3000 held, then nothing.
+    let client = reqwest::Client::new();
+    let waiting = client
+        .get(gateway.url("key=acme~c&work_ms=30000&reserve=3000&tokens=1000"))
+        .timeout(Duration::from_millis(800))
+        .send();
+    let watch = async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        (
+            held(&mut server.client().get_connection().unwrap(), window),
+            leases(&mut server.client().get_connection().unwrap()),
+        )
+    };
+    let (answer, mid) = tokio::join!(waiting, watch);
+    assert!(answer.is_err(), "the request was to time out");
+    assert_eq!(mid, (3000, 1), "held while the handler waited");
+    nothing_left(&mut con, 1000, "a request cancelled before its answer");
+
+    // Cancelled mid-stream after 2 of 10 parts of 100: 200 counted, nothing held.
+    let mut response =
+        reqwest::get(gateway.url("key=acme~c&work_ms=10000&chunks=10&reserve=3000&tokens=1000"))
+            .await
+            .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    assert!(response.chunk().await.unwrap().is_some());
+    assert!(response.chunk().await.unwrap().is_some());
+    assert_eq!(held(&mut con, window), 2800);
+    drop(response);
+    nothing_left(&mut con, 1200, "a stream cancelled after two parts");
 }
