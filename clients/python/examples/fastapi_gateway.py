@@ -4,10 +4,13 @@ key's bucket, its calls quota and its concurrent queries, with the answers of AD
 python clients/python/examples/fastapi_gateway.py --redis redis://127.0.0.1:6379/ \
   --listen 127.0.0.1:8080 [--client-limit 20/1] [--key-limit 60/60] [--max-concurrent 4] \
   [--quota-calls 100000 --quota-per month --quota-tz Europe/Berlin] \
-  [--policy raise|forward|local]
+  [--policy raise|forward|local] [--tpm 100000]
 
 GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a body
 streamed in `chunks` pieces over work_ms.
+GET /v1/complete?key=K&estimate=N&tokens=N[&parts=N][&work_ms=N]: a model call under the
+key's tokens a minute (--tpm): `estimate` tokens held at admission, the response's
+`tokens` charged in `parts` while it runs over work_ms, committed at the end.
 """
 
 import argparse
@@ -17,10 +20,10 @@ from typing import AsyncIterator, Optional, Tuple
 
 import redis.asyncio
 import uvicorn
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from qag_client import AsyncLimiter, Quota
+from qag_client import AsyncLimiter, QagError, Quota
 from qag_client.asgi import KeyLimits, RateLimitMiddleware, query_parameter
 from qag_client.fastapi import Admitted, admitted
 
@@ -43,10 +46,43 @@ async def query(
     return StreamingResponse(pieces(), media_type="text/plain")
 
 
+@app.get("/v1/complete")
+async def complete(
+    request: Request,
+    estimate: int,
+    tokens: int,
+    parts: int = 1,
+    work_ms: int = 0,
+    limits: Admitted = Depends(admitted),
+) -> Response:
+    limiter: AsyncLimiter = request.app.state.limiter
+    parts = max(parts, 1)
+    # The key's model tokens a minute: the estimate (input + max_tokens) held while the
+    # call runs, what it streams charged as it goes, its count committed at the end.
+    key = limits.api_key or "anonymous"
+    scopes = [(f"qag:win:{{{key}}}:tokens", 0, request.app.state.tpm)]
+    try:
+        async with limiter.reserve(scopes, estimate) as hold:
+            if not hold.admitted:
+                wait = str(hold.admission.retry_after)
+                return JSONResponse({"code": "tpm_exceeded"}, 429, {"retry-after": wait})
+            for _ in range(parts):
+                await asyncio.sleep(work_ms / 1000 / parts)  # the model streams a part
+                if await request.is_disconnected():
+                    # Left without a commit: what was charged is committed, the rest freed.
+                    return Response(status_code=499)
+                await hold.charge(tokens // parts)
+            await hold.commit(tokens)
+    except QagError:  # Redis failed under "raise", or has no module
+        return JSONResponse({"code": "limiter_unavailable"}, 503)
+    return JSONResponse({"request_id": limits.request_id, "tokens": tokens})
+
+
 def main() -> None:
     args = parse_args()
     # The limiter set-up: a policy for outages, the limits, where address and key come from.
     limiter = AsyncLimiter(redis.asyncio.Redis.from_url(args.redis), on_unavailable=args.policy)
+    app.state.limiter, app.state.tpm = limiter, args.tpm
     quota = None
     if args.quota_calls is not None:
         quota = Quota(args.quota_per, args.quota_tz, calls=args.quota_calls)
@@ -62,7 +98,13 @@ def main() -> None:
     host, port = args.listen.rsplit(":", 1)
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Inherited by each accepted connection: without it, a response on a kept-alive
+    # connection waits ~40 ms for the caller's delayed ACK (uvicorn sets it only on
+    # sockets it makes itself).
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listener.bind((host, int(port)))
+    # Listening before saying so: a caller may connect at once, before uvicorn serves.
+    listener.listen(2048)
     print(f"listening on {host}:{listener.getsockname()[1]}", flush=True)
     server = uvicorn.Server(uvicorn.Config(limited, log_level="warning", lifespan="off"))
     server.run(sockets=[listener])
@@ -79,6 +121,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quota-per", choices=("day", "month"), default="month")
     parser.add_argument("--quota-tz", default="UTC")
     parser.add_argument("--policy", choices=("raise", "forward", "local"), default="raise")
+    parser.add_argument("--tpm", type=int, default=100_000, help="model tokens a minute a key")
     return parser.parse_args()
 
 

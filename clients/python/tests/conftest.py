@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 import pytest
 import redis
@@ -27,13 +27,24 @@ SERVER = os.environ.get("REDIS_SERVER", "redis-server")
 
 
 def free_port() -> int:
-    """A free loopback port a cluster node can use too (its bus port is 10000 higher)."""
+    """A free loopback port whose cluster bus port (10000 higher) is free too."""
     while True:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = int(probe.getsockname()[1])
-        if port <= 55535:
-            return port
+        if port > 55535:
+            continue
+        try:
+            with socket.socket() as bus:
+                bus.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+
+
+def retries(retry: Retry) -> int:
+    """How often a Retry tries again (redis-py 5.0 has no ``get_retries``)."""
+    return int(retry._retries)
 
 
 def no_retry() -> Retry:
@@ -50,9 +61,20 @@ class Server:
         extra: Optional[List[str]] = None,
     ) -> None:
         assert not with_module or MODULE.exists(), f"{MODULE} is missing: cargo build --release"
-        self.port = port or free_port()
         self.own_directory = directory is None
         self.directory = directory or Path(tempfile.mkdtemp(prefix="qag-py-"))
+        # A port of our choosing may be taken between the probe and the server's bind
+        # (an outgoing connection's ephemeral port, for one): then another is tried.
+        for _attempt in range(5):
+            self.port = port or free_port()
+            if self.start(with_module, extra):
+                return
+            if port is not None:
+                break
+        raise AssertionError(f"{SERVER} could not listen on {self.port}: {self.log()}")
+
+    def start(self, with_module: bool, extra: Optional[List[str]]) -> bool:
+        """Starts the server on `self.port`; False when that port was taken."""
         args = [
             SERVER,
             "--port", str(self.port),
@@ -70,10 +92,15 @@ class Server:
         deadline = time.monotonic() + 30
         while True:
             try:
-                if redis.Redis(port=self.port).ping():
-                    return
+                # Its own process, not another suite's server that took the port first,
+                # and done loading its data (PING raises LOADING until then).
+                client = redis.Redis(port=self.port)
+                if client.info("server").get("process_id") == self.process.pid and client.ping():
+                    return True
             except redis.exceptions.RedisError:
                 pass
+            if self.process.poll() is not None and "Address already in use" in self.log():
+                return False
             assert self.process.poll() is None, f"{SERVER} exited: {self.log()}"
             assert time.monotonic() < deadline, f"{SERVER} did not start: {self.log()}"
             time.sleep(0.02)
@@ -126,30 +153,62 @@ def start_server() -> Iterator[Callable[..., Server]]:
 
 @pytest.fixture
 def start_cluster(start_server: Callable[..., Server]) -> Callable[..., List[Server]]:
-    """Three primaries, slots assigned by redis-cli --cluster create."""
+    """Three primaries (and a replica each with ``replicas=1``), slots assigned by
+    redis-cli --cluster create; the primaries come first. ``with_module`` is one flag
+    for every node or one per primary (its replica follows it)."""
 
-    def start(with_module: bool = True) -> List[Server]:
+    def start(
+        with_module: Union[bool, List[bool]] = True,
+        replicas: int = 0,
+        node_timeout: int = 5000,
+        extra: Optional[List[str]] = None,
+    ) -> List[Server]:
+        flags = with_module if isinstance(with_module, list) else [with_module] * 3
         nodes = [
             start_server(
-                with_module=with_module,
-                extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "5000",
-                       "--cluster-config-file", f"nodes-{n}.conf"],
+                with_module=flags[n % 3],
+                extra=["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout),
+                       "--cluster-config-file", f"nodes-{n}.conf", *(extra or [])],
             )  # fmt: skip
-            for n in range(3)
+            for n in range(3 * (1 + replicas))
         ]
+        primaries = [f"127.0.0.1:{n.port}" for n in nodes[:3]]
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+            ["redis-cli", "--cluster", "create", *primaries,
              "--cluster-replicas", "0", "--cluster-yes"],
             check=True, capture_output=True,
         )  # fmt: skip
+        for n, replica in enumerate(nodes[3:]):
+            subprocess.run(
+                ["redis-cli", "--cluster", "add-node", f"127.0.0.1:{replica.port}",
+                 primaries[0], "--cluster-slave", "--cluster-master-id",
+                 node_id(nodes[n % 3])],
+                check=True, capture_output=True,
+            )  # fmt: skip
         deadline = time.monotonic() + 30
         for node in nodes:
-            while b"cluster_state:ok" not in node.client().execute_command("CLUSTER", "INFO"):
+            while not cluster_ready(node, len(nodes)):
                 assert time.monotonic() < deadline, "the cluster never became ok"
                 time.sleep(0.1)
         return nodes
 
     return start
+
+
+def node_id(node: Server) -> str:
+    return str(node.client().execute_command("CLUSTER", "MYID").decode())
+
+
+def cluster_ready(node: Server, size: int) -> bool:
+    """The cluster is ok, every node knows every other, and a replica is in sync."""
+    client = node.client()
+    if b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+        return False
+    lines = client.execute_command("CLUSTER", "NODES").decode().splitlines()
+    if len(lines) != size or not all(" connected" in line for line in lines):
+        return False
+    role = client.info("replication")
+    return role["role"] == "master" or role.get("master_link_status") == "up"
 
 
 @pytest.fixture
@@ -184,6 +243,9 @@ class Blocking:
     def lease(self, *args: Any) -> "BlockingLease":
         return BlockingLease(self.loop, self.limiter.lease(*args))
 
+    def reserve(self, *args: Any, **kwargs: Any) -> "BlockingReservation":
+        return BlockingReservation(self.loop, self.limiter.reserve(*args, **kwargs))
+
     def idle(self, seconds: float) -> None:
         """Lets the limiter's tasks (renewals, background releases) run."""
         self.loop.run_until_complete(asyncio.sleep(seconds))
@@ -205,6 +267,30 @@ class BlockingLease:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.loop.run_until_complete(self.lease.__aexit__(*exc_info))
+
+
+class BlockingReservation:
+    """An AsyncReservation used with ``with``: its calls run on the limiter's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, hold: Any) -> None:
+        self.loop = loop
+        self.hold = hold
+
+    def __enter__(self) -> "BlockingReservation":
+        self.loop.run_until_complete(self.hold.__aenter__())
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.loop.run_until_complete(self.hold.__aexit__(*exc_info))
+
+    def charge(self, tokens: int) -> int:
+        return int(self.loop.run_until_complete(self.hold.charge(tokens)))
+
+    def commit(self, actual: int) -> int:
+        return int(self.loop.run_until_complete(self.hold.commit(actual)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.hold, name)
 
 
 def idle(limiter: Any, seconds: float) -> None:

@@ -321,3 +321,51 @@ def test_a_request_the_limiter_cannot_finish_costs_no_tokens(
         assert status == 503
         assert '"code":"limiter_unavailable"' in body
     assert bucket_tokens(server, "qag:ratelimit:key:3/3600:acme~m") == 3
+
+
+def window_counts(server: Server, key: str) -> Tuple[int, int]:
+    """A window scope's tokens counted and held now."""
+    fields = server.client().hgetall(key)
+    counted = sum(int(value) for name, value in fields.items() if name.startswith(b"tok:"))
+    words = fields.get(b"holds", b"").decode().split()
+    now_ms = time.time() * 1000
+    held = sum(int(words[n]) for n in range(0, len(words), 2) if int(words[n + 1]) > now_ms)
+    return counted, held
+
+
+def test_model_calls_hold_their_estimate_and_a_client_gone_frees_it(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    server = start_server()
+    gateway = start_gateway(server, "--tpm", "1000")
+    base = f"{gateway.base}/v1/complete?key=acme~t"
+    key = "qag:win:{acme~t}:tokens"
+    assert httpx.get(f"{base}&estimate=600&tokens=500&parts=5", timeout=10).status_code == 200
+    assert window_counts(server, key) == (500, 0)
+    refused = httpx.get(f"{base}&estimate=600&tokens=1", timeout=10)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    # A client gone after about two of four parts: what they charged stays counted, the
+    # rest of the hold is freed (it would count for up to two minutes).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.get(f"{base}&estimate=400&tokens=400&parts=4&work_ms=2000", timeout=1.2)
+    gone = time.monotonic()
+    while window_counts(server, key)[1] != 0:
+        assert time.monotonic() - gone < 3, window_counts(server, key)
+        time.sleep(0.02)
+    counted, _ = window_counts(server, key)
+    assert counted in (500, 600, 700), counted  # the parts charged before it went, never 400 more
+
+
+def test_the_middleware_never_takes_its_ids_from_the_request(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    """One x-request-id sent again and again: every request counted (a replayed id
+    would answer the first reply uncharged), the header only reported back."""
+    server = start_server()
+    gateway = start_gateway(server, "--key-limit", "3/3600")
+    url = gateway.url("key=acme~r")
+    answers = [httpx.get(url, headers={"x-request-id": "same"}, timeout=10) for _ in range(4)]
+    assert [answer.status_code for answer in answers] == [200, 200, 200, 429]
+    assert answers[0].json() == {"request_id": "same"}
+    fields = server.client().hgetall("qag:ratelimit:key:3/3600:acme~r")
+    assert not [name for name in fields if b"same" in name]

@@ -5,11 +5,12 @@ family (the cases shared with the Rust client are in test_shared_cases.py)."""
 from __future__ import annotations
 
 from importlib import resources
+from typing import Any, Callable, List, Tuple
 
 import pytest
 
 from conftest import REPOSITORY
-from qag_client import Bucket, Limiter, Quota
+from qag_client import Bucket, Limiter, QagUnavailable, Quota, Scope
 from qag_client.local import LocalBuckets
 
 
@@ -155,6 +156,8 @@ def test_errors_sorted_busy_apart_from_outages() -> None:
         errors.ResponseError("MASTERDOWN Link with MASTER is down"),
         errors.ResponseError("CLUSTERDOWN The cluster is down"),
         errors.ResponseError("TRYAGAIN Multiple keys request during rehashing of slot"),
+        # redis-py's race on a connection closed under it during a failover.
+        AttributeError("'NoneType' object has no attribute 'writelines'"),
     ]:
         assert isinstance(sort_error(error), QagUnavailable), error
 
@@ -208,3 +211,167 @@ def test_local_leases_quotas_and_windows_count_this_processs_share() -> None:
     assert state.windows.record(["org", "key"], 60, 60, 1261.0) == 2
     full = state.windows.admit(scopes, 60, 1262.0, 0.5)
     assert not full.admitted and full.tokens_remaining == 0
+
+
+def drive(flow: Any, answer: Callable[[Any, int], Any]) -> Tuple[Any, List[Any]]:
+    """Runs an engine flow against ``answer(request, n)`` (a reply, or an exception to
+    throw in): its answer, or the error it raised, and the requests it made."""
+    sent: List[Any] = []
+    try:
+        request = next(flow)
+        while True:
+            sent.append(request)
+            outcome = answer(request, len(sent))
+            if isinstance(outcome, BaseException):
+                request = flow.throw(outcome)
+            else:
+                request = flow.send(outcome)
+    except StopIteration as stop:
+        return stop.value, sent
+    except Exception as raised:  # the flow's own error
+        return raised, sent
+
+
+def module_engine(**options: Any) -> Any:
+    from qag_client._engine import Engine
+
+    engine = Engine(**options)
+    engine.presence = "present"
+    return engine
+
+
+def test_a_dropped_connection_replays_a_call_with_an_id_once() -> None:
+    from qag_client._engine import ConnectionDropped
+    from qag_client.decisions import BucketCall
+
+    call = BucketCall.on(Bucket("k", 5, 60), 1)
+    dropped = ConnectionDropped("Connection closed by server.")
+    engine = module_engine()
+    answer, sent = drive(engine.take(call, "r-1"), lambda _, n: dropped if n == 1 else [1, 4, 0])
+    assert answer.allowed and answer.remaining == 4
+    assert [request.words for request in sent] == [("QAG.TAKE", "k", 5, "60", "ID", "r-1")] * 2
+    assert engine.counts.replays == 1 and engine.counts.module == 1
+    # Dropped twice: the replay's failure is the call's, an outage (no third try).
+    engine = module_engine()
+    failed, sent = drive(engine.take(call, "r-2"), lambda _, n: dropped)
+    assert isinstance(failed, QagUnavailable) and len(sent) == 2 and engine.backing_off
+    # A timeout is no dropped connection: no time is left, nothing sent again.
+    engine = module_engine()
+    late, sent = drive(engine.take(call, "r-3"), lambda _, n: QagUnavailable("deadline"))
+    assert isinstance(late, QagUnavailable) and len(sent) == 1
+    # The script takes no id: never sent again.
+    engine = module_engine(backend="script")
+    failed, sent = drive(engine.take(call, "r-4"), lambda _, n: dropped)
+    assert isinstance(failed, QagUnavailable) and len(sent) == 1
+    # A lease neither.
+    from qag_client._engine import Attempt
+
+    engine = module_engine()
+    failed, sent = drive(engine.lease("l", 2, 1000, "a", Attempt()), lambda _, n: dropped)
+    assert isinstance(failed, QagUnavailable) and len(sent) == 1
+
+
+def test_every_counting_call_ends_with_its_id() -> None:
+    from qag_client._engine import HoldState
+    from qag_client.decisions import BucketCall
+
+    engine = module_engine()
+    call = BucketCall.on(Bucket("k", 5, 60), 2)
+
+    def words(flow: Any, reply: Any) -> Tuple[Any, ...]:
+        _, sent = drive(flow, lambda _, n: reply)
+        return tuple(sent[0].words)
+
+    assert words(engine.take(call, "i"), [1, 3, 0])[-2:] == ("ID", "i")
+    assert words(engine.take_pair(call, call, "i"), [[1, 3, 0], [1, 3, 0]])[-2:] == ("ID", "i")
+    assert words(engine.refund(call, 1, "i"), 5)[-2:] == ("ID", "i")
+    quota = Quota("day", calls=5)
+    assert words(engine.quota_count("QAG.QUOTA.ADD", "q", quota, 1, 0, "i"), [1, 0, 9])[-2:] == (
+        "ID",
+        "i",
+    )
+    assert "ID" not in words(engine.quota_count("QAG.QUOTA.SEED", "q", quota, 1, 0), [1, 0, 9])
+    assert words(engine.admit([("w", 1, 0)], None, "i"), [1, 0, 0, 0, -1])[-2:] == ("ID", "i")
+    assert words(engine.record(["w"], 5, 30, "i"), 1) == (
+        "QAG.RECORD", 1, "w", 5, "WINDOW", 30, "ID", "i"
+    )  # fmt: skip
+    hold = HoldState([Scope("w", 0, 100)], None, 40, 5000, "h", 0.0)
+    assert words(engine.reserve(hold), [1, 0, 0, -1, 60]) == (
+        "QAG.ADMIT", 1, "w", 0, 100, "RESERVE", 40, "HOLD", 5000, "ID", "h"
+    )  # fmt: skip
+    assert words(engine.charge(hold, 7), 1)[-3:] == ("ID", "h", "PARTIAL")
+    assert words(engine.commit(hold, 9), 1)[-2:] == ("ID", "h")
+    assert words(engine.background_commit(hold, 0), 1) == ("QAG.RECORD", 1, "w", 0, "ID", "h")
+    # A reserve that returned no guard: its ADMIT replayed (holding what is left of its
+    # time at most), then released.
+    _, sent = drive(engine.background_unreserve(hold, 1234), lambda _, n: [1, 0, 0, -1, 60])
+    assert [request.words for request in sent] == [
+        ("QAG.ADMIT", 1, "w", 0, 100, "RESERVE", 40, "HOLD", 1234, "ID", "h"),
+        ("QAG.RECORD", 1, "w", 0, "ID", "h"),
+    ]
+    assert hold.left_ms(0.0) == 5000 and hold.left_ms(4.0) == 1000
+
+
+def test_default_ids_and_caller_ids() -> None:
+    from qag_client.decisions import request_id_of
+
+    first, second = request_id_of(None), request_id_of(None)
+    prefix, _, count = first.partition("-")
+    assert len(prefix) == 16 and all(c in "0123456789abcdef" for c in prefix)
+    assert second == f"{prefix}-{int(count) + 1}"
+    assert request_id_of("x" * 128) == "x" * 128
+    for bad in ("", "x" * 129, "é" * 65, b"x", 5):
+        with pytest.raises(ValueError, match="request_id must be a string of 1 to 128 bytes"):
+            request_id_of(bad)  # type: ignore[arg-type]
+
+
+def test_a_holds_state_and_when_its_background_commit_gives_up() -> None:
+    from qag_client._engine import HoldState
+    from qag_client.decisions import Admission
+
+    hold = HoldState([Scope("w", 0, 100)], 10, 40, None, "h", 100.0)
+    with pytest.raises(RuntimeError, match="before the reservation was entered"):
+        hold.open("commit")
+    hold.admission = Admission(False, 0, 3, 0, 0)
+    with pytest.raises(RuntimeError, match="refused"):
+        hold.open("charge")
+    assert not hold.in_redis
+    hold.admission = Admission(True, None, 0, 5, 60)
+    hold.open("charge")
+    assert hold.in_redis
+    hold.done = True
+    with pytest.raises(RuntimeError, match="after the reservation was committed"):
+        hold.open("commit")
+    # Two windows at the latest, or the hold's own time when shorter.
+    assert not hold.gives_up(119.9) and hold.gives_up(120.0)
+    short = HoldState([Scope("w", 0, 100)], 10, 40, 3000, "h", 100.0)
+    assert not short.gives_up(102.9) and short.gives_up(103.0)
+    # Forwarded: nothing held, charge and commit count nothing without a request.
+    engine = module_engine()
+    hold.admission = Admission(True, None, 0, None, None, "forwarded")
+    recorded, sent = drive(engine.commit(hold, 9), lambda _, n: 1)
+    assert (recorded.scopes, recorded.answered_by, sent) == (0, "forwarded", [])
+
+
+def test_local_windows_hold_reservations_until_released_or_their_time() -> None:
+    from qag_client.local import LocalWindows
+
+    windows = LocalWindows()
+    scopes = [Scope("org", 0, 1000), Scope("key", 0, 300)]
+    now = 6000.0  # the start of a window of 60 s
+
+    def reserve(hold_id: str, tokens: int, until: float = now + 120) -> bool:
+        return windows.admit(scopes, 60, now, 1.0, (hold_id, tokens, until)).admitted
+
+    assert reserve("a", 200) and reserve("b", 100)
+    assert not reserve("c", 1), "the key's 300 are held"
+    assert windows.admit(scopes, 60, now, 1.0).tokens_remaining == 0
+    windows.release(["org", "key"], "a", 50)  # a partial charge: the hold shrinks
+    windows.record(["org", "key"], 50, 60, now)  # and the charge counts
+    assert not reserve("c", 1), "150 held and 50 counted beside 100"
+    windows.release(["org", "key"], "b")  # a commit ends its hold
+    assert reserve("c", 100)
+    windows.release(["org", "key"], "unknown")  # nothing to release: nothing changes
+    assert not reserve("d", 1)
+    # Past its time a hold stops counting by itself.
+    assert windows.admit(scopes, 60, now + 121, 1.0).tokens_remaining == 300

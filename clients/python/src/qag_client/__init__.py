@@ -10,15 +10,16 @@ header rendering and local counting are plain code (``decisions``, ``_engine``,
 talk to Redis.
 """
 
-from ._async import AsyncLease, AsyncLimiter
+from ._async import AsyncLease, AsyncLimiter, AsyncReservation
 from ._script import TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA
-from ._sync import Lease, Limiter
+from ._sync import Lease, Limiter, Reservation
 from .decisions import (
     Admission,
     Counts,
     Decision,
     PairDecision,
     QagBusy,
+    QagCrossSlot,
     QagError,
     QagModuleRequired,
     QagPermissionError,
@@ -38,6 +39,7 @@ __all__ = [
     "Admission",
     "AsyncLease",
     "AsyncLimiter",
+    "AsyncReservation",
     "Bucket",
     "Counts",
     "Decision",
@@ -45,6 +47,7 @@ __all__ = [
     "Limiter",
     "PairDecision",
     "QagBusy",
+    "QagCrossSlot",
     "QagError",
     "QagModuleRequired",
     "QagPermissionError",
@@ -55,6 +58,7 @@ __all__ = [
     "QuotaDecision",
     "QuotaUsage",
     "Refunded",
+    "Reservation",
     "Scope",
     "TOKEN_BUCKET_LUA",
     "TOKEN_REFUND_LUA",

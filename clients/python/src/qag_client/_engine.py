@@ -57,6 +57,12 @@ class UnknownCommand(QagError):
     """The server does not have the command: the module is missing there."""
 
 
+class ConnectionDropped(QagUnavailable):
+    """The connection failed otherwise than by a timeout (reset, closed, broken pipe,
+    refused): whether a command sent on it ran is unknown, and no time has run out. A
+    command with an id is sent once more; any other fails as an outage."""
+
+
 @dataclass(frozen=True)
 class Command:
     words: Tuple[Any, ...]
@@ -84,8 +90,8 @@ _POOL_EXHAUSTED = ("Too many connections", "No connection available.")
 
 
 def sort_error(error: BaseException) -> BaseException:
-    """A redis-py error as this package's exception, with the error as its cause (other
-    exceptions stay as they are)."""
+    """An error a request raised as this package's exception, with the error as its
+    cause."""
     sorted_error = _sorted(error)
     if sorted_error is not error and sorted_error.__cause__ is None:
         sorted_error.__cause__ = error
@@ -104,6 +110,12 @@ def _sorted(error: BaseException) -> BaseException:
         isinstance(error, errors.ConnectionError) and text in _POOL_EXHAUSTED
     ):
         return QagBusy(text)
+    if isinstance(error, (errors.TimeoutError, TimeoutError)):
+        return QagUnavailable(text or type(error).__name__)
+    if isinstance(error, (errors.ConnectionError, ConnectionError, EOFError)) and not isinstance(
+        error, (errors.BusyLoadingError, errors.AuthenticationError)
+    ):
+        return ConnectionDropped(text or type(error).__name__)
     if isinstance(
         error,
         (
@@ -130,7 +142,10 @@ def _sorted(error: BaseException) -> BaseException:
         return QagServerError(text)
     if type(error).__module__.split(".")[0] == "redis":  # none of redis-py's reaches the caller
         return QagServerError(f"{type(error).__name__}: {text}")
-    return error
+    # Anything else redis-py raised from its connection handling (e.g. AttributeError
+    # on a connection closed under it while the cluster fails over): the connection
+    # failed, not the call.
+    return ConnectionDropped(f"the connection failed: {type(error).__name__}: {text}")
 
 
 class Overtaken(QagError):
@@ -148,11 +163,109 @@ class Fallback(Generic[T]):
 
 
 @dataclass
-class LeaseAttempt:
-    """Whether an acquire sent its QAG.LEASE: if it did and did not come back with a
-    lease held in Redis, the id is released in the background."""
+class Attempt:
+    """Whether a call sent its command (QAG.LEASE, QAG.ADMIT ... RESERVE): if it did and
+    did not come back with what it took held in Redis, that is given back in the
+    background."""
 
     sent: bool = False
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A reservation's charge or commit: the scopes charged, and how it was answered."""
+
+    scopes: int
+    answered_by: str
+
+
+class HoldState:
+    """A reservation guard's state: its chain, id and tokens, how its ADMIT was
+    answered, what the caller charged so far (every ``charge``, whatever its outcome:
+    the tokens it used), and whether it is done (committed, or left). Times are
+    monotonic seconds."""
+
+    def __init__(
+        self,
+        chain: List[Scope],
+        window: Optional[int],
+        tokens: int,
+        hold_ms: Optional[int],
+        request_id: str,
+        started: float,
+    ) -> None:
+        self.chain = chain
+        self.keys = [scope.key for scope in chain]
+        self.window = window
+        self.tokens = tokens
+        self.hold_ms = hold_ms
+        self.id = request_id
+        self.started = started
+        self.attempt = Attempt()
+        self.admission: Optional[Admission] = None
+        self.charged = 0
+        self.done = False
+
+    @property
+    def answered_by(self) -> str:
+        return "module" if self.admission is None else self.admission.answered_by
+
+    @property
+    def in_redis(self) -> bool:
+        """Tokens are held in Redis under the id."""
+        return (
+            self.admission is not None and self.admission.admitted and self.answered_by == "module"
+        )
+
+    def open(self, action: str) -> None:
+        """A charge or commit is allowed now (else RuntimeError: a bug of the caller's)."""
+        if self.admission is None:
+            raise RuntimeError(f"{action} before the reservation was entered")
+        if not self.admission.admitted:
+            raise RuntimeError(f"{action} on a refused reservation: nothing is held")
+        if self.done:
+            raise RuntimeError(f"{action} after the reservation was committed or left")
+
+    def left_ms(self, now: float) -> int:
+        """What is left of the hold's time: it stops counting by itself at ``hold_ms``,
+        and at the latest at the end of the window after the one it was taken in (two
+        windows from its start)."""
+        window = float(self.window or DEFAULT_WINDOW)
+        lasts = 2 * window if self.hold_ms is None else min(self.hold_ms / 1000, 2 * window)
+        return math.floor((self.started + lasts - now) * 1000)
+
+    def gives_up(self, now: float) -> bool:
+        """A background commit stops trying once the hold has stopped counting."""
+        return self.left_ms(now) <= 0
+
+
+class HoldView:
+    """What a reservation guard (sync or async) shows of its state."""
+
+    _state: HoldState
+
+    @property
+    def request_id(self) -> str:
+        return self._state.id
+
+    @property
+    def admission(self) -> Admission:
+        if self._state.admission is None:
+            raise RuntimeError("the reservation was not entered")
+        return self._state.admission
+
+    @property
+    def admitted(self) -> bool:
+        return self.admission.admitted
+
+    @property
+    def answered_by(self) -> str:
+        return self._state.answered_by
+
+    @property
+    def charged(self) -> int:
+        """The tokens charged so far (every ``charge``)."""
+        return self._state.charged
 
 
 class LeaseState:
@@ -236,6 +349,8 @@ class Engine:
         # Told when an outage starts a back-off (the driver wakes calls waiting for a
         # connection: they keep to the policy instead).
         self.on_outage: Callable[[], None] = lambda: None
+        # Runs ``probe()`` in the background (a task, or a thread): every driver sets it.
+        self.start_probe: Callable[[], None] = lambda: None
 
     # What the limiter reports.
 
@@ -275,53 +390,96 @@ class Engine:
         with self._lock:
             self.tally.errors += 1
 
+    def _sent(self, command: Command, replayable: bool) -> Flow[Any]:
+        """A command's reply. One with an id whose connection dropped (its outcome
+        unknown) is sent once more with the same id, on a fresh connection within the
+        same deadline: the module answers a call that ran with its first reply, so it
+        counts once; so is a command that only reads (``replayable`` too). A restarted
+        server drops every pooled connection at once, and redis-py 8's asyncio pool
+        hands them out unchecked: one dropped connection is no outage. The replay's
+        failure is the call's; a write without an id is never sent again."""
+        if not replayable:
+            return (yield command)
+        try:
+            return (yield command)
+        except ConnectionDropped:
+            with self._lock:
+                self.tally.replays += 1
+            return (yield command)
+
     # The policy: one place for every family.
 
     def _routed(self, in_redis: Flow[T], fallback: Fallback[T]) -> Flow[T]:
         """``in_redis`` unless the policy answers: during a back-off (no request at
-        all) or after the call met an outage."""
+        all) or after the call met an outage. The call that finds a back-off over
+        keeps to the policy too and starts the probe: a request never waits for it,
+        and the probe's time is its own, not what is left of a request's deadline (in
+        a process busy answering a flood of requests by the policy, that was too little
+        and one failed probe kept the back-off going long after Redis was back)."""
         with self._lock:
             route = self.outage.route(self.monotonic())
             generation = self.outage.generation
-        if route is Route.POLICY:
+        if route is Route.PROBE:
+            self.start_probe()
+        if route is not Route.REDIS:
             return self._by_policy(fallback, None)
-        probe = route is Route.PROBE
-        settled = False
         try:
             answer = yield from in_redis
+        except QagUnavailable as error:
+            with self._lock:
+                self.presence = "unknown"  # a restart or failover: ask the next server
+                self.outage.failed(False, self.monotonic(), str(error))
+            self.on_outage()
+            return self._by_policy(fallback, error)
+        except Overtaken:
+            return self._by_policy(fallback, None)
+        except QagBusy:
+            with self._lock:
+                self.tally.errors += 1
+            raise
+        except QagError:  # an error reply: Redis answered
+            self._answered(False, generation)
+            with self._lock:
+                self.tally.errors += 1
+            raise
+        self._answered(False, generation)
+        with self._lock:
+            self.tally.count(getattr(answer, "answered_by", "module"))
+        return answer
+
+    def probe(self) -> Flow[None]:
+        """The probe after a back-off, run by the driver in the background: PING, which
+        a server still loading its data or a replica cut off from its primary refuses
+        (LOADING, MASTERDOWN: an outage, as the calls would meet), then, with the "auto"
+        backend, whether it has the module (COMMAND INFO, which such a server answers),
+        so a restart that brought or took the module is seen at once. An answer, even
+        an error reply, ends the back-off; an outage starts the next one; a probe that
+        found no free connection or was cancelled lets the next call start another."""
+        with self._lock:
+            generation = self.outage.generation
+        settled = False
+        try:
+            yield from self._sent(Command(("PING",), probe=True), True)
+            if self.backend == "auto":
+                self.forget_presence()
+                yield from self.path()
             settled = True
         except QagUnavailable as error:
             settled = True
             with self._lock:
-                self.presence = "unknown"  # a restart or failover: ask the next server
-                self.outage.failed(probe, self.monotonic(), str(error))
+                self.presence = "unknown"
+                self.outage.failed(True, self.monotonic(), str(error))
             self.on_outage()
-            return self._by_policy(fallback, error)
-        except Overtaken:
-            settled = True
-            with self._lock:
-                self.outage.abandoned(probe)
-            return self._by_policy(fallback, None)
+            return
         except QagBusy:
-            settled = True
-            with self._lock:
-                self.outage.abandoned(probe)
-                self.tally.errors += 1
-            raise
+            return
         except QagError:
             settled = True  # an error reply: Redis answered
-            self._answered(probe, generation)
-            with self._lock:
-                self.tally.errors += 1
-            raise
         finally:
-            if not settled:  # cancelled, or failed otherwise: free the probe slot
+            if not settled:
                 with self._lock:
-                    self.outage.abandoned(probe)
-        self._answered(probe, generation)
-        with self._lock:
-            self.tally.count(getattr(answer, "answered_by", "module"))
-        return answer
+                    self.outage.abandoned(True)
+        self._answered(True, generation)
 
     def _answered(self, probe: bool, generation: int) -> None:
         with self._lock:
@@ -363,7 +521,9 @@ class Engine:
         ):
             return "script"
         try:
-            entries = yield Command(("COMMAND", "INFO", "qag.take"), probe=True)
+            entries = yield from self._sent(
+                Command(("COMMAND", "INFO", "qag.take"), probe=True), True
+            )
         except QagPermissionError:
             # A user without COMMAND: the module's command is tried; its answer tells.
             entries = [["qag.take"]]
@@ -391,10 +551,12 @@ class Engine:
 
     # Token buckets.
 
-    def take(self, call: BucketCall) -> Flow[Decision]:
-        return self._routed(self._take(call), Fallback(call.forwarded, _local_take(call)))
+    def take(self, call: BucketCall, request_id: str) -> Flow[Decision]:
+        return self._routed(
+            self._take(call, request_id), Fallback(call.forwarded, _local_take(call))
+        )
 
-    def take_pair(self, client: BucketCall, key: BucketCall) -> Flow[PairDecision]:
+    def take_pair(self, client: BucketCall, key: BucketCall, request_id: str) -> Flow[PairDecision]:
         def forwarded() -> PairDecision:
             return PairDecision(client.forwarded(), key.forwarded())
 
@@ -404,7 +566,7 @@ class Engine:
                 return PairDecision(client_decision, None)
             return PairDecision(client_decision, _local_take(key)(state, now, share))
 
-        return self._routed(self._take_pair(client, key), Fallback(forwarded, local))
+        return self._routed(self._take_pair(client, key, request_id), Fallback(forwarded, local))
 
     def peek(self, call: BucketCall) -> Flow[Decision]:
         def local(state: LocalState, now: float, share: float) -> Decision:
@@ -414,7 +576,7 @@ class Engine:
 
         return self._routed(self._peek(call), Fallback(call.forwarded, local))
 
-    def refund(self, call: BucketCall, n: int) -> Flow[Refunded]:
+    def refund(self, call: BucketCall, n: int, request_id: str) -> Flow[Refunded]:
         arguments = call.refund_arguments(n)
 
         def local(state: LocalState, now: float, share: float) -> Refunded:
@@ -422,14 +584,17 @@ class Engine:
             return Refunded(state.buckets.refund(call.key, count, call.period, n, now), "local")
 
         return self._routed(
-            self._refund(call, arguments),
+            self._refund(call, arguments, request_id),
             Fallback(lambda: Refunded(call.count, "forwarded"), local),
         )
 
-    def _refund(self, call: BucketCall, arguments: Tuple[Any, ...]) -> Flow[Refunded]:
+    def _refund(
+        self, call: BucketCall, arguments: Tuple[Any, ...], request_id: str
+    ) -> Flow[Refunded]:
         if (yield from self.path()) == "module":
             try:
-                reply = yield Command(("QAG.REFUND", call.key, *arguments))
+                command = Command(("QAG.REFUND", call.key, *arguments, "ID", request_id))
+                reply = yield from self._sent(command, True)
                 return call.refunded(reply, "module")
             except UnknownCommand:
                 self._module_failed()
@@ -439,19 +604,22 @@ class Engine:
             raise QagServerError(str(error)) from error
         return call.refunded(reply, "script")
 
-    def _take(self, call: BucketCall) -> Flow[Decision]:
+    def _take(self, call: BucketCall, request_id: str) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
-                reply = yield Command(("QAG.TAKE", call.key, *call.arguments()))
+                command = Command(("QAG.TAKE", call.key, *call.arguments(), "ID", request_id))
+                reply = yield from self._sent(command, True)
                 return call.decision(reply, "module")
             except UnknownCommand:
                 self._module_failed()
         return (yield from self._script(call))
 
-    def _take_pair(self, client: BucketCall, key: BucketCall) -> Flow[PairDecision]:
+    def _take_pair(
+        self, client: BucketCall, key: BucketCall, request_id: str
+    ) -> Flow[PairDecision]:
         if (yield from self.path()) == "module":
             try:
-                reply = yield Command(
+                command = Command(
                     (
                         "QAG.TAKE2",
                         client.key,
@@ -459,8 +627,11 @@ class Engine:
                         client.period_text,
                         key.key,
                         *key.arguments(),
+                        "ID",
+                        request_id,
                     )
                 )
+                reply = yield from self._sent(command, True)
                 if not isinstance(reply, list) or len(reply) != 2:
                     raise QagServerError(f"a QAG.TAKE2 reply, got {reply!r}")
                 key_decision = None if reply[1] is None else key.decision(reply[1], "module")
@@ -474,7 +645,8 @@ class Engine:
     def _peek(self, call: BucketCall) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
-                reply = yield Command(("QAG.PEEK", call.key, *call.arguments()))
+                peek = Command(("QAG.PEEK", call.key, *call.arguments()))
+                reply = yield from self._sent(peek, True)
                 return call.decision(reply, "module")
             except UnknownCommand:
                 self._module_failed()
@@ -482,8 +654,8 @@ class Engine:
         # script's arithmetic.
         from .local import take
 
-        fields = yield Command(("HMGET", call.key, "tokens", "ts"))
-        seconds, micros = yield Command(("TIME",))
+        fields = yield from self._sent(Command(("HMGET", call.key, "tokens", "ts")), True)
+        seconds, micros = yield from self._sent(Command(("TIME",)), True)
         now = int(seconds) + int(micros) / 1e6
         reply, _ = take(call.count, call.period, call.cost, _stored(fields), now)
         return call.decision(reply, "script")
@@ -495,14 +667,17 @@ class Engine:
             raise QagServerError(str(error)) from error
         return call.decision(reply, "script")
 
-    def module_only(self, words: List[Any], attempt: Optional[LeaseAttempt] = None) -> Flow[Any]:
-        """A command of a family without a script."""
+    def module_only(
+        self, words: List[Any], attempt: Optional[Attempt] = None, replayable: bool = False
+    ) -> Flow[Any]:
+        """A command of a family without a script (``replayable``: it ends with its
+        id, or only reads)."""
         if self.backend == "script" or (yield from self.path()) == "script":
             raise QagModuleRequired("the qag module is required and the server does not have it")
         try:
             if attempt is not None:
                 attempt.sent = True
-            return (yield Command(tuple(words)))
+            return (yield from self._sent(Command(tuple(words)), replayable))
         except UnknownCommand as error:
             self.note_missing()
             raise QagModuleRequired(
@@ -512,7 +687,7 @@ class Engine:
     # Leases.
 
     def lease(
-        self, key: str, max_slots: int, ttl_ms: int, lease_id: str, attempt: LeaseAttempt
+        self, key: str, max_slots: int, ttl_ms: int, lease_id: str, attempt: Attempt
     ) -> Flow[LeaseGrant]:
         def in_redis() -> Flow[LeaseGrant]:
             words = ["QAG.LEASE", key, max_slots, ttl_ms, lease_id]
@@ -539,7 +714,7 @@ class Engine:
 
     def leases(self, key: str) -> Flow[int]:
         def in_redis() -> Flow[int]:
-            return int((yield from self.module_only(["QAG.LEASES", key])))
+            return int((yield from self.module_only(["QAG.LEASES", key], replayable=True)))
 
         return self._routed(in_redis(), Fallback(None, lambda state, _, __: state.leases.live(key)))
 
@@ -580,7 +755,8 @@ class Engine:
         per, tz, calls, rows = quota.per, quota.tz, quota.calls, quota.rows
 
         def in_redis() -> Flow[QuotaDecision]:
-            decision = d.quota_decision((yield from self.module_only(words)), calls, rows)
+            reply = yield from self.module_only(words, replayable=True)
+            decision = d.quota_decision(reply, calls, rows)
             with self._lock:
                 self.local.quotas.saw_check(key, decision)
             return decision
@@ -594,14 +770,24 @@ class Engine:
         return self._routed(in_redis(), Fallback(forwarded, local))
 
     def quota_count(
-        self, command: str, key: str, quota: Quota, calls: int, rows: int
+        self,
+        command: str,
+        key: str,
+        quota: Quota,
+        calls: int,
+        rows: int,
+        request_id: Optional[str] = None,
     ) -> Flow[QuotaUsage]:
-        """QAG.QUOTA.ADD or QAG.QUOTA.SEED."""
+        """QAG.QUOTA.ADD (with its id) or QAG.QUOTA.SEED (none: a seed counts the same
+        however often it runs)."""
         words = d.quota_count_words(command, key, quota, calls, rows)
+        if request_id is not None:
+            words += ["ID", request_id]
         per, tz = quota.per, quota.tz
 
         def in_redis() -> Flow[QuotaUsage]:
-            usage = d.quota_usage((yield from self.module_only(words)))
+            reply = yield from self.module_only(words, replayable=request_id is not None)
+            usage = d.quota_usage(reply)
             with self._lock:
                 self.local.quotas.saw(key, usage.calls, usage.rows, usage.resets_at)
             return usage
@@ -616,32 +802,133 @@ class Engine:
     # Sliding windows.
 
     def admit(
-        self, scopes: Sequence[Union[Scope, Tuple[str, int, int]]], window: Optional[int]
+        self,
+        scopes: Sequence[Union[Scope, Tuple[str, int, int]]],
+        window: Optional[int],
+        request_id: str,
     ) -> Flow[Admission]:
-        words = d.admit_words(scopes, window)
-        chain = [scope if isinstance(scope, Scope) else Scope(*scope) for scope in scopes]
+        words = d.admit_words(scopes, window) + ["ID", request_id]
+        return self._admit(_chain(scopes), window, words, None)
+
+    def _admit(
+        self,
+        chain: List[Scope],
+        window: Optional[int],
+        words: List[Any],
+        hold: Optional[HoldState],
+    ) -> Flow[Admission]:
+        """QAG.ADMIT's words with their id (``hold``: a reservation's), or the policy's
+        admission: forwarded, or admitted by the local windows (a reservation's tokens
+        held there, as Redis would hold them)."""
+        attempt = None if hold is None else hold.attempt
 
         def in_redis() -> Flow[Admission]:
-            return d.admission((yield from self.module_only(words)))
+            return d.admission((yield from self.module_only(words, attempt, replayable=True)))
 
         def forwarded() -> Admission:
             return Admission(True, None, 0, None, None, "forwarded")
 
         def local(state: LocalState, now: float, share: float) -> Admission:
-            return state.windows.admit(chain, window or DEFAULT_WINDOW, now, share)
+            held = None
+            if hold is not None:
+                until = now + hold.left_ms(self.monotonic()) / 1000
+                held = (hold.id, hold.tokens, until)
+            return state.windows.admit(chain, window or DEFAULT_WINDOW, now, share, held)
 
         return self._routed(in_redis(), Fallback(forwarded, local))
 
-    def record(self, keys: Sequence[str], tokens: int, window: Optional[int]) -> Flow[int]:
-        words = d.record_words(keys, tokens, window)
+    def record(
+        self, keys: Sequence[str], tokens: int, window: Optional[int], request_id: str
+    ) -> Flow[int]:
+        words = d.record_words(keys, tokens, window) + ["ID", request_id]
 
         def in_redis() -> Flow[int]:
-            return int((yield from self.module_only(words)))
+            return int((yield from self.module_only(words, replayable=True)))
 
         def local(state: LocalState, now: float, _: float) -> int:
             return state.windows.record(keys, tokens, window or DEFAULT_WINDOW, now)
 
         return self._routed(in_redis(), Fallback(lambda: 0, local))
+
+    # Reservations: QAG.ADMIT ... RESERVE, charged and committed by QAG.RECORD ... ID.
+
+    def reserve(self, hold: HoldState) -> Flow[Admission]:
+        words = d.reserve_words(hold.chain, hold.window, hold.tokens, hold.hold_ms)
+        return self._admit(hold.chain, hold.window, words + ["ID", hold.id], hold)
+
+    def charge(self, hold: HoldState, tokens: int) -> Flow[Recorded]:
+        """A partial charge (``ID id PARTIAL``: never a replay, and the commit settles
+        however often it ran, so it is sent again after a dropped connection too)."""
+        words = d.record_words(hold.keys, tokens, hold.window) + ["ID", hold.id, "PARTIAL"]
+        return self._hold_record(hold, words, tokens, tokens)
+
+    def commit(self, hold: HoldState, tokens: int) -> Flow[Recorded]:
+        """The commit: ``tokens`` is the whole count, partials included."""
+        words = d.record_words(hold.keys, tokens, hold.window) + ["ID", hold.id]
+        return self._hold_record(hold, words, max(tokens - hold.charged, 0), None)
+
+    def _hold_record(
+        self, hold: HoldState, words: List[Any], unpaid: int, released: Optional[int]
+    ) -> Flow[Recorded]:
+        """A charge or commit: nothing for a forwarded reservation, the local windows'
+        for a local one (its hold shrunk by ``released``, None: ended), else to Redis,
+        answered by the policy when it fails (``unpaid``: what the local windows count
+        then)."""
+        window = hold.window or DEFAULT_WINDOW
+        if hold.answered_by == "forwarded":
+            return Recorded(0, "forwarded")
+        if hold.answered_by == "local":
+            with self._lock:
+                now = self.wall()
+                windows = self.local.windows
+                windows.release(hold.keys, hold.id, released)
+                return Recorded(windows.record(hold.keys, unpaid, window, now), "local")
+
+        def in_redis() -> Flow[Recorded]:
+            return Recorded(int((yield from self.module_only(words, replayable=True))), "module")
+
+        def local(state: LocalState, now: float, _: float) -> Recorded:
+            return Recorded(state.windows.record(hold.keys, unpaid, window, now), "local")
+
+        forwarded = Fallback(lambda: Recorded(0, "forwarded"), local)
+        return (yield from self._routed(in_redis(), forwarded))
+
+    def release_locally(self, hold: HoldState) -> None:
+        """A local reservation left without a commit: its hold ends (what it charged is
+        counted already)."""
+        with self._lock:
+            self.local.windows.release(hold.keys, hold.id)
+
+    def background_commit(self, hold: HoldState, tokens: int) -> Flow[int]:
+        """A commit in the background (a guard left without one: what it charged; a
+        reserve that may have held tokens and did not return them: 0): always to Redis,
+        with the reservation's id."""
+        words = d.record_words(hold.keys, tokens, hold.window) + ["ID", hold.id]
+        return self._unrouted(self._module_only_int(words))
+
+    def background_unreserve(self, hold: HoldState, left_ms: int) -> Flow[int]:
+        """The release of a reserve that may have held tokens and returned no guard
+        holding them (timed out, cancelled, answered by the policy after it was sent):
+        its ADMIT replayed first, then a commit of 0. A replay of one that ran answers
+        its reply; one still on its way then arrives as a replay, so the release never
+        overtakes it (a RECORD before its ADMIT would be a plain record, and the hold
+        would count until it expires). The replay holds for ``left_ms`` at most: on a
+        server that lost the first ADMIT it makes a hold of its own, which must not
+        outlive the one it stands for."""
+        admit = d.reserve_words(hold.chain, hold.window, hold.tokens, max(left_ms, 1))
+        release = d.record_words(hold.keys, 0, hold.window) + ["ID", hold.id]
+        return self._unrouted(self._admit_then(admit + ["ID", hold.id], release))
+
+    def _admit_then(self, admit: List[Any], release: List[Any]) -> Flow[int]:
+        yield from self.module_only(admit, replayable=True)
+        return (yield from self._module_only_int(release))
+
+    def _module_only_int(self, words: List[Any]) -> Flow[int]:
+        return int((yield from self.module_only(words, replayable=True)))
+
+
+def _chain(scopes: Sequence[Union[Scope, Tuple[str, int, int]]]) -> List[Scope]:
+    return [scope if isinstance(scope, Scope) else Scope(*scope) for scope in scopes]
 
 
 def _stored(fields: Any) -> Optional[Tuple[float, float]]:

@@ -18,7 +18,7 @@ class Route(enum.Enum):
     """Where a call goes now."""
 
     REDIS = "redis"
-    # The one call that tries Redis after a back-off.
+    # The one call that starts the probe of Redis after a back-off.
     PROBE = "probe"
     # Not to Redis: answered by the policy (a back-off runs, or the probe is out).
     POLICY = "policy"
@@ -29,7 +29,8 @@ class Outage:
 
     An outage starts a back-off until ``now + back_off`` (a later one extends it);
     meanwhile every call keeps to the policy. When it has ended, the first call to
-    arrive is the probe; the others keep to the policy until the probe has answered.
+    arrive is routed to the probe (it starts the engine's probe and keeps to the policy
+    itself); the others keep to the policy until the probe has answered.
     Only the probe ends a back-off (a call sent before it and answering during it does
     not). With ``back_off`` 0 there is no back-off: every call goes to Redis.
     """
@@ -98,9 +99,12 @@ class Tally:
     local: int = 0
     forwarded: int = 0
     errors: int = 0
+    replays: int = 0
 
     def count(self, answered_by: str) -> None:
         setattr(self, answered_by, getattr(self, answered_by) + 1)
 
     def snapshot(self) -> Counts:
-        return Counts(self.module, self.script, self.local, self.forwarded, self.errors)
+        return Counts(
+            self.module, self.script, self.local, self.forwarded, self.errors, self.replays
+        )

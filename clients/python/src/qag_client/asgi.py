@@ -91,7 +91,7 @@ class RateLimitMiddleware:
         self.app = app
         self.limiter = limiter
         self.config = Config.of(
-            limiter._engine.back_off,
+            limiter._back_off,
             client_bucket,
             client_address,
             trusted_proxy_header,

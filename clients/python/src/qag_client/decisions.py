@@ -3,7 +3,10 @@ is sent; and the exceptions. No I/O here."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
+import secrets
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
@@ -20,6 +23,8 @@ LEASE_MAX_ID_BYTES = 256
 SCOPES_MAX = 64
 WINDOW_MAX = 86400
 INT64_MAX = (1 << 63) - 1
+REQUEST_ID_MAX_BYTES = 128
+HOLD_MAX_MS = 172_800_000
 
 
 class QagError(Exception):
@@ -55,6 +60,13 @@ class QagServerError(QagError):
     unexpected shape."""
 
 
+class QagCrossSlot(QagServerError):
+    """On a cluster, the keys of one call are in different slots: raised before anything
+    is sent (the module would answer CROSSSLOT, the script would run them apart). Give
+    the keys a common hash tag; for a bucket pair, or make the limiter with
+    ``cross_slot="two_calls"``."""
+
+
 class QagRefused(QagError):
     """A lease was refused: every slot of the key is held (``live`` leases; in this
     process's count when ``answered_by`` is "local"). ``headers(lease=...)`` renders it
@@ -82,6 +94,8 @@ class Counts:
     local: int = 0
     forwarded: int = 0
     errors: int = 0
+    # Calls sent once more, with their id, after their connection dropped.
+    replays: int = 0
 
 
 @dataclass(frozen=True)
@@ -325,6 +339,36 @@ class BucketCall:
         return Decision(True, self.count, self.period, self.count, 0, "forwarded")
 
 
+class _RequestIds:
+    """This process's default request ids: ``<16 hex chars chosen at random once>-<a
+    counter>``, e.g. ``9f86d081884c7d65-42``: no system call a call, and unique across a
+    fleet with high probability. A forked child chooses its own prefix."""
+
+    def __init__(self) -> None:
+        self.restart()
+        os.register_at_fork(after_in_child=self.restart)
+
+    def restart(self) -> None:
+        self.prefix = secrets.token_hex(8)
+        self.counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.prefix}-{next(self.counter)}"
+
+
+_REQUEST_IDS = _RequestIds()
+
+
+def request_id_of(given: Optional[str]) -> str:
+    """The id a counting call sends: the caller's (checked: 1 to 128 bytes in UTF-8),
+    else a new one of this process's."""
+    if given is None:
+        return _REQUEST_IDS.next()
+    if not isinstance(given, str) or not 1 <= len(given.encode()) <= REQUEST_ID_MAX_BYTES:
+        raise ValueError(f"request_id must be a string of 1 to {REQUEST_ID_MAX_BYTES} bytes")
+    return given
+
+
 def check_lease(key: str, max_slots: int, ttl_ms: int, lease_id: str) -> None:
     _text("key", key)
     _integer("max", max_slots, 1, LEASE_MAX_SLOTS)
@@ -409,6 +453,25 @@ def record_words(keys: Sequence[str], tokens: int, window: Optional[int]) -> Lis
         raise ValueError("each scope must have its own key")
     tokens = _integer("tokens", tokens, 0, INT64_MAX)
     return ["QAG.RECORD", len(checked), *checked, tokens] + _window_words(window)
+
+
+def reserve_words(
+    scopes: Sequence[Union[Scope, Tuple[str, int, int]]],
+    window: Optional[int],
+    tokens: int,
+    hold_ms: Optional[int],
+) -> List[object]:
+    """QAG.ADMIT ... RESERVE tokens [HOLD ms], before its ID: checked as the module
+    checks them (a reservation above a scope's tpm could never be admitted)."""
+    words = admit_words(scopes, window)
+    tokens = _integer("tokens", tokens, 1, INT64_MAX)
+    limits = [scope.tpm if isinstance(scope, Scope) else scope[2] for scope in scopes]
+    if any(0 < tpm < tokens for tpm in limits):
+        raise ValueError("tokens is above a scope's tpm: it could never be admitted")
+    words += ["RESERVE", tokens]
+    if hold_ms is not None:
+        words += ["HOLD", _integer("hold_ms", hold_ms, 1, HOLD_MAX_MS)]
+    return words
 
 
 def _integers(reply: object, length: int, what: str) -> List[int]:

@@ -277,6 +277,19 @@ class LocalWindows:
     def __init__(self) -> None:
         # key -> (window length, window number, requests, tokens)
         self._scopes: Dict[str, Tuple[int, int, int, int]] = {}
+        # key -> reservation id -> (tokens held, until: Unix seconds)
+        self._holds: Dict[str, Dict[str, Tuple[int, float]]] = {}
+
+    def _held(self, key: str, now: float) -> int:
+        """The tokens the key's open reservations hold (those past their time dropped)."""
+        holds = self._holds.get(key)
+        if not holds:
+            return 0
+        for hold_id in [hold_id for hold_id, (_, until) in holds.items() if until <= now]:
+            del holds[hold_id]
+        if not holds:
+            del self._holds[key]
+        return sum(tokens for tokens, _ in holds.values())
 
     def _counts(self, key: str, window: int, now: float) -> Tuple[int, int]:
         entry = self._scopes.get(key)
@@ -294,8 +307,19 @@ class LocalWindows:
             }
         self._scopes[key] = (window, math.floor(now / window), counted + requests, charged + tokens)
 
-    def admit(self, scopes: Sequence[Scope], window: int, now: float, share: float) -> Admission:
-        """As QAG.ADMIT on this process's counts, every limit scaled by ``share``."""
+    def admit(
+        self,
+        scopes: Sequence[Scope],
+        window: int,
+        now: float,
+        share: float,
+        hold: Optional[Tuple[str, int, float]] = None,
+    ) -> Admission:
+        """As QAG.ADMIT on this process's counts, every limit scaled by ``share``; with
+        ``hold`` (reservation id, tokens, until: Unix seconds), as QAG.ADMIT ... RESERVE:
+        admitted only if the tokens fit beside what is counted and held, then held on
+        every scope until released or until then."""
+        reserve = 0 if hold is None else hold[1]
         limits = [
             (
                 scope.key,
@@ -307,12 +331,16 @@ class LocalWindows:
         refused_by: Optional[int] = None
         for index, (key, rpm, tpm) in enumerate(limits):
             requests, tokens = self._counts(key, window, now)
-            if (rpm and requests + 1 > rpm) or (tpm and tokens >= tpm):
+            tokens += self._held(key, now)
+            over = tokens + reserve > tpm if reserve else tokens >= tpm
+            if (rpm and requests + 1 > rpm) or (tpm and over):
                 refused_by = index
                 break
         if refused_by is None:
             for key, _, _ in limits:
                 self._add(key, window, now, 1, 0)
+                if hold is not None and reserve:
+                    self._holds.setdefault(key, {})[hold[0]] = (reserve, hold[2])
         requests_left: Optional[int] = None
         tokens_left: Optional[int] = None
         for key, rpm, tpm in limits:
@@ -321,7 +349,7 @@ class LocalWindows:
                 left = max(rpm - requests, 0)
                 requests_left = left if requests_left is None else min(requests_left, left)
             if tpm:
-                left = max(tpm - tokens, 0)
+                left = max(tpm - tokens - self._held(key, now), 0)
                 tokens_left = left if tokens_left is None else min(tokens_left, left)
         retry = 0
         if refused_by is not None:
@@ -333,8 +361,24 @@ class LocalWindows:
             self._add(key, window, now, 0, tokens)
         return len(keys)
 
+    def release(self, keys: Sequence[str], hold_id: str, tokens: Optional[int] = None) -> None:
+        """Shrinks reservation ``hold_id``'s hold by ``tokens`` on every scope (a partial
+        charge), or (None) ends it."""
+        for key in keys:
+            holds = self._holds.get(key, {})
+            if hold_id not in holds:
+                continue
+            held, until = holds[hold_id]
+            if tokens is None or tokens >= held:
+                del holds[hold_id]
+            else:
+                holds[hold_id] = (held - tokens, until)
+            if not holds:
+                self._holds.pop(key, None)
+
     def clear(self) -> None:
         self._scopes.clear()
+        self._holds.clear()
 
 
 class LocalState:

@@ -68,7 +68,7 @@ class RateLimitWSGI:
         self.app = app
         self.limiter = limiter
         self.config = Config.of(
-            limiter._engine.back_off,
+            limiter._back_off,
             client_bucket,
             client_address,
             trusted_proxy_header,
