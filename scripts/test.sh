@@ -16,23 +16,43 @@ cargo test --package qag-core
 python=$(scripts/python-env.sh)
 python_oldest=$(scripts/python-env.sh redis==5.0.8)
 
-failed=()
-if [ -n "${QAG_REDIS_URL:-}" ]; then
-  echo "== integration tests against $QAG_REDIS_URL"
-  cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || failed+=("$QAG_REDIS_URL")
-  "$python" -m pytest -q clients/python/tests || failed+=("$QAG_REDIS_URL (python)")
-else
+# The Rust suites (the module's and qag-client's) and the Python client's run side by
+# side, each server after server: most of their time is spent waiting (failovers,
+# expiries), not computing. Each line of output says which suite printed it.
+cargo test --no-run --package qag --package qag-client --features qag-client/tower --tests
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+rust_suites() {
+  if [ -n "${QAG_REDIS_URL:-}" ]; then
+    echo "== integration tests against $QAG_REDIS_URL"
+    cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || echo "$QAG_REDIS_URL" >>"$results/failed"
+    return
+  fi
   while read -r name path; do
     echo "== integration tests on $name ($("$path" --version | cut -d' ' -f1-3))"
-    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || failed+=("$name")
-    REDIS_SERVER=$path "$python" -m pytest -q clients/python/tests || failed+=("$name (python)")
+    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || echo "$name" >>"$results/failed"
+  done < <(scripts/servers.sh)
+}
+python_suites() {
+  if [ -n "${QAG_REDIS_URL:-}" ]; then
+    "$python" -m pytest -q clients/python/tests || echo "$QAG_REDIS_URL (python)" >>"$results/failed"
+    return
+  fi
+  while read -r name path; do
+    echo "== the Python client on $name"
+    REDIS_SERVER=$path "$python" -m pytest -q clients/python/tests || echo "$name (python)" >>"$results/failed"
   done < <(scripts/servers.sh)
   echo "== the Python client with the oldest redis-py it supports (5.0.8), on redis-7.0"
-  "$python_oldest" -m pytest -q clients/python/tests || failed+=("redis-py 5.0.8")
-fi
+  "$python_oldest" -m pytest -q clients/python/tests || echo "redis-py 5.0.8" >>"$results/failed"
+}
+rust_suites 2>&1 | sed -u 's/^/[rust] /' &
+rust=$!
+python_suites 2>&1 | sed -u 's/^/[python] /' &
+wait $rust
+wait $!
 
-if [ ${#failed[@]} -gt 0 ]; then
-  echo "test: FAILED on ${failed[*]}" >&2
+if [ -s "$results/failed" ]; then
+  echo "test: FAILED on $(paste -sd, "$results/failed")" >&2
   exit 1
 fi
 echo "test: all passed"
