@@ -171,14 +171,14 @@ pub struct Reservation {
     record: Record,
     /// The reservation as remembered.
     pub reserved: Reserved,
-    /// Whether it still holds tokens on its scopes (else it expired: only what its
-    /// partial charges charged is left of it).
+    /// Whether it still holds tokens on its scopes (else it expired or was committed:
+    /// only what its partial charges charged is left of it).
     pub open: bool,
 }
 
 impl Reservation {
     /// The reservation of request id `args[index]` in `key`, made on the chain of keys
-    /// `chain` (a RECORD on another chain finds nothing), and not yet committed.
+    /// `chain` (a RECORD on another chain finds nothing), committed or not.
     pub fn find(
         ctx: &Ctx,
         key: &Key,
@@ -197,22 +197,41 @@ impl Reservation {
             field,
             record,
             reserved,
-            open: reserved.until > now_millis && reserved.tokens > 0,
+            open: !reserved.committed && reserved.until > now_millis && reserved.tokens > 0,
         })
     }
 
     /// The ADMIT's record after a partial charge of `charged` tokens that released
     /// `released` of the hold, or (None) after the commit, to write with the call's own
-    /// fields.
-    pub fn after(self, ctx: &Ctx, partial: Option<(i64, i64)>) -> (OwnedString, OwnedString) {
-        let hold = partial.map(|(charged, released)| Reserved {
-            tokens: self.reserved.tokens - released,
-            charged: self.reserved.charged.saturating_add(charged),
-            ..self.reserved
-        });
-        let record = &self.record;
+    /// fields. A partial keeps it remembered for ID-SECONDS more: forgotten, the commit
+    /// would charge again what the partials paid.
+    pub fn after(
+        self,
+        ctx: &Ctx,
+        partial: Option<(i64, i64)>,
+        now_millis: i64,
+    ) -> (OwnedString, OwnedString) {
+        let (hold, forget_at) = match partial {
+            Some((charged, released)) => (
+                Reserved {
+                    tokens: self.reserved.tokens - released,
+                    charged: self.reserved.charged.saturating_add(charged),
+                    ..self.reserved
+                },
+                (self.record.forget_at).max(now_millis.saturating_add(ttl_millis())),
+            ),
+            None => (
+                Reserved {
+                    tokens: 0,
+                    committed: true,
+                    ..self.reserved
+                },
+                self.record.forget_at,
+            ),
+        };
+        let answer = self.record.answer.as_ref();
         let value = string_of(ctx, |text| {
-            replay::encode(text, record.forget_at, record.answer.as_ref(), hold)
+            replay::encode(text, forget_at, answer, Some(hold))
         });
         (self.field, value)
     }

@@ -166,9 +166,13 @@ struct Scope {
     has_requests: bool,
     has_tokens: bool,
     counted: usize,
-    /// Its open reservations (the `holds` field), and whether the call changed them.
+    /// Its open reservations (the `holds` field), whether the call changed them, and
+    /// whether groups that stopped counting were dropped from them as read (written
+    /// only with a write the call makes anyway: a call that changes nothing writes
+    /// nothing).
     holds: Holds,
     holds_changed: bool,
+    holds_stale: bool,
     /// Whether the hash holds reservations or request ids beside its counters.
     has_extras: bool,
     /// Whether it remembers request ids.
@@ -198,6 +202,7 @@ impl Scope {
             counted,
             holds: Holds::default(),
             holds_changed: false,
+            holds_stale: false,
             has_extras: false,
             has_ids: false,
         };
@@ -209,7 +214,7 @@ impl Scope {
             if let Some(holds) = holds {
                 scope.holds = Holds::parse(holds.bytes());
                 // Reservations that stopped counting go with the scope's next write.
-                scope.holds_changed = scope.holds.drop_closed(fields.clock.now_micros / 1000);
+                scope.holds_stale = scope.holds.drop_closed(fields.clock.now_micros / 1000);
                 scope.counters.held = scope.holds.tokens();
             }
         }
@@ -224,8 +229,10 @@ impl Scope {
 
     /// Releases `tokens` of a reservation held until `until`.
     fn release(&mut self, until: i64, tokens: i64) {
-        self.holds.release(until, tokens);
-        self.holds_changed = true;
+        if tokens > 0 {
+            self.holds.release(until, tokens);
+            self.holds_changed = true;
+        }
     }
 
     /// Sets one current counter, and, in the same HSET, the scope's reservations when
@@ -250,7 +257,9 @@ impl Scope {
             Kind::Tokens => (fields.tokens, self.has_tokens),
         };
         let value = OwnedString::from_integer(ctx, value);
-        let holds = match self.holds_changed {
+        let holds_written =
+            self.holds_changed || self.holds_stale && (changes || !extra.is_empty());
+        let holds = match holds_written {
             true => Some(self.holds.encode().map(|text| OwnedString::new(ctx, &text))),
             false => None,
         };
@@ -353,6 +362,7 @@ impl Command for Admit {
             until: chain.fields.clock.hold_expires_at(call.hold_millis),
             chain: replay_core::chain_of(call.scopes.iter().map(|(key, _)| args.get(*key))),
             charged: 0,
+            committed: false,
         });
         let now_millis = chain.now_millis();
         let remembered =
@@ -422,6 +432,11 @@ impl Command for Record {
         let reservation = call.id.and_then(|index| {
             Reservation::find(ctx, &chain.keys[0], args, index, keys, now_millis)
         });
+        if reservation.as_ref().is_some_and(|r| r.reserved.committed) {
+            // The commit's count covered it: a partial run late, or the commit sent
+            // again once its own id was forgotten. Nothing to charge, nothing written.
+            return Ok(Reply::Integer(chain.keys.len() as i64));
+        }
         // A commit settles the count: less than the partials paid (one sent twice) takes
         // the difference back from the current window, down to nothing.
         let charge = match (&reservation, call.partial) {
@@ -448,7 +463,8 @@ impl Command for Record {
             for scope in chain.scopes.iter_mut() {
                 scope.release(held.until, released);
             }
-            reservation.after(ctx, call.partial.then_some((call.tokens, released)))
+            let partial = call.partial.then_some((call.tokens, released));
+            reservation.after(ctx, partial, now_millis)
         });
         let reply = Reply::Integer(chain.keys.len() as i64);
         let remembered = id.map(|id| id.remember(ctx, &mut chain.keys[0], &reply, now_millis));
@@ -457,7 +473,11 @@ impl Command for Record {
             .map(|(field, value)| (field.raw, value.raw))
             .chain(remembered.iter().flat_map(Remembered::fields))
             .collect();
-        let keep_first = remembered.as_ref().map_or(0, |r| r.keep_until);
+        // A partial's record of what was paid is kept as long as that is remembered.
+        let keep_first = match (&settled, call.partial) {
+            (Some(_), true) => replay::keep_until(now_millis),
+            _ => remembered.as_ref().map_or(0, |r| r.keep_until),
+        };
         chain.write(ctx, Kind::Tokens, totals, &first, keep_first);
         Ok(reply)
     }

@@ -333,6 +333,14 @@ fn a_stream_charged_in_parts_sums_exactly_and_a_late_commit_counts_once() {
     send_line(&mut con, &format!("QAG.RECORD 1 {key} 380 ID s1")).unwrap();
     send_line(&mut con, &format!("QAG.RECORD 1 {key} 380 ID s1")).unwrap();
     assert_eq!(tokens(&mut con), 380, "the commit counted once");
+    // A partial run after the commit (late, or sent again) was in the commit's count.
+    let late_partial = send_line(&mut con, &format!("QAG.RECORD 1 {key} 70 ID s1 PARTIAL"));
+    assert_eq!(value(&late_partial), value(&Ok(Value::Int(1))));
+    assert_eq!(
+        tokens(&mut con),
+        380,
+        "a partial after the commit charges nothing"
+    );
     // A partial charge replayed (its reply lost, the driver sending it again) pays early
     // twice; the commit settles the count: the total is the count, 120 here, below what
     // the partials paid.
@@ -501,13 +509,23 @@ fn a_busy_key_at_its_cap_keeps_its_open_reservations() {
     let server = server_with(&["ID-MAX", "20"]);
     let mut con = server.client().get_connection().unwrap();
     let key = "qag:win:{acme}:org";
-    // A long stream's reservation, the oldest id, then a crowd of short requests on the
-    // same key: ten times the cap of ids, admitted and committed.
+    // A long stream's reservation, the oldest id, and one whose partial charges paid
+    // more than its hold (nothing held, what was paid remembered for its commit); then
+    // a crowd of short requests on the same key: ten times the cap of ids, admitted and
+    // committed.
     let reserve = |con: &mut Connection, id: &str| -> Vec<i64> {
         let line = format!("QAG.ADMIT 1 {key} 0 1000000 RESERVE 500 ID {id}");
         redis::FromRedisValue::from_redis_value(send_line(con, &line).unwrap()).unwrap()
     };
     assert_eq!(reserve(&mut con, "stream")[0], 1);
+    assert_eq!(reserve(&mut con, "spent")[0], 1);
+    for _ in 0..2 {
+        send_line(
+            &mut con,
+            &format!("QAG.RECORD 1 {key} 300 ID spent PARTIAL"),
+        )
+        .unwrap();
+    }
     for i in 0..200 {
         assert_eq!(reserve(&mut con, &format!("r{i}"))[0], 1);
         let _: i64 = cmd("QAG.RECORD")
@@ -530,10 +548,61 @@ fn a_busy_key_at_its_cap_keeps_its_open_reservations() {
         .arg("stream")
         .query(&mut con)
         .unwrap();
+    // The spent one's commit still finds what its partials paid: 700 in all, not 1,300.
+    send_line(&mut con, &format!("QAG.RECORD 1 {key} 700 ID spent")).unwrap();
     let holds: Option<String> = cmd("HGET").arg(key).arg("holds").query(&mut con).unwrap();
     assert_eq!(holds, None, "nothing held after every commit");
-    assert_eq!(counted(&mut con, key, "tok:"), 200 * 10 + 700);
+    assert_eq!(counted(&mut con, key, "tok:"), 200 * 10 + 700 + 700);
     server.shutdown();
+}
+
+#[test]
+fn what_partials_paid_is_remembered_for_id_seconds_after_the_last() {
+    if external("what_partials_paid_is_remembered_for_id_seconds_after_the_last") {
+        return;
+    }
+    let server = server_with(&["ID-SECONDS", "2"]);
+    let mut con = server.client().get_connection().unwrap();
+    let key = "qag:win:{acme}:stream";
+    // A hold of 100 ms (rounded up to a sixteenth of the 10 s window): the reservation's
+    // record would be forgotten 2 s after its ADMIT.
+    let admit = format!("QAG.ADMIT 1 {key} 0 100000 WINDOW 10 RESERVE 500 ID s HOLD 100");
+    send_line(&mut con, &admit).unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    let partial = format!("QAG.RECORD 1 {key} 70 WINDOW 10 ID s PARTIAL");
+    send_line(&mut con, &partial).unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    // 2.4 s after the ADMIT, 1.2 s after the partial: its 70 still count towards 200.
+    send_line(&mut con, &format!("QAG.RECORD 1 {key} 200 WINDOW 10 ID s")).unwrap();
+    assert_eq!(counted(&mut con, key, "tok:"), 200);
+    server.shutdown();
+}
+
+#[test]
+fn a_record_of_nothing_writes_nothing_even_beside_expired_holds() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("quiet");
+    send_line(
+        &mut con,
+        &format!("QAG.ADMIT 1 {key} 0 1000 WINDOW 10 RESERVE 100 ID q HOLD 100"),
+    )
+    .unwrap();
+    // Past the hold, rounded up to a sixteenth of the window (625 ms).
+    std::thread::sleep(Duration::from_millis(900));
+    let before = state(&mut con, &key);
+    let reply = send_line(&mut con, &format!("QAG.RECORD 1 {key} 0 WINDOW 10"));
+    assert_eq!(value(&reply), value(&Ok(Value::Int(1))));
+    assert_eq!(
+        state(&mut con, &key),
+        before,
+        "the expired hold stays until a write"
+    );
+    // A write drops it.
+    send_line(&mut con, &format!("QAG.RECORD 1 {key} 5 WINDOW 10")).unwrap();
+    let holds: Option<String> = cmd("HGET").arg(&key).arg("holds").query(&mut con).unwrap();
+    assert_eq!(holds, None);
+    t.assert_healthy();
 }
 
 #[test]

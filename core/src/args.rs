@@ -89,6 +89,12 @@ impl<'a, L: ArgList + ?Sized> Args<'a, L> {
         self.list.len().saturating_sub(self.next)
     }
 
+    /// The argument `ahead` places after the next one to read (0: the next), unread.
+    pub fn ahead(&self, ahead: usize) -> Option<&'a [u8]> {
+        let index = self.next.checked_add(ahead)?;
+        (index < self.list.len()).then(|| self.list.get(index))
+    }
+
     /// Fails with `Arity` unless the call has `min..=max` arguments after its name.
     pub fn expect_count(&self, min: usize, max: usize) -> Result<(), ArgError> {
         let n = self.remaining();

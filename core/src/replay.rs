@@ -56,7 +56,7 @@ impl Answer {
 }
 
 /// A remembered call: its reply, when it is forgotten, and, for an ADMIT that reserved,
-/// its reservation while open.
+/// its reservation (open, or committed: then what its partial charges paid).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Record {
     pub forget_at: i64,
@@ -65,14 +65,27 @@ pub struct Record {
 }
 
 /// A reservation as its ADMIT remembers it: the tokens it still holds, until when (Unix
-/// ms), on which chain of keys (`chain_of`: only a RECORD on that chain releases it), and
-/// what partial charges have charged so far (a commit charges the rest of its count).
+/// ms), on which chain of keys (`chain_of`: only a RECORD on that chain releases it),
+/// what partial charges have charged so far (a commit charges the rest of its count),
+/// and whether it was committed (then it holds nothing, and a RECORD that comes after,
+/// a partial run late or a commit sent again, charges nothing: the commit's count
+/// covered it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reserved {
     pub tokens: i64,
     pub until: i64,
     pub chain: i64,
     pub charged: i64,
+    pub committed: bool,
+}
+
+impl Reserved {
+    /// Whether forgetting it now would change a count: it still holds tokens, or, not
+    /// yet committed, remembers what its partial charges paid (forgotten, its commit
+    /// would charge those again).
+    pub fn needed(&self, now_millis: i64) -> bool {
+        !self.committed && (self.tokens > 0 && self.until > now_millis || self.charged > 0)
+    }
 }
 
 /// A fingerprint of a chain of keys, in order (64-bit FNV-1a over each key and its
@@ -94,7 +107,8 @@ pub fn chain_of<'a>(keys: impl Iterator<Item = &'a [u8]>) -> i64 {
 }
 
 /// The text of a remembered call, written into `out` (a buffer the caller keeps):
-/// `<forgotten at, Unix ms> <reply>[ h<tokens>,<until>,<chain>,<charged>]`,
+/// `<forgotten at, Unix ms> <reply>[ h<tokens>,<until>,<chain>,<charged>]` (` c…` once
+/// committed),
 /// the reply as `i<n>`, `r<row>` or `p<row>;<row>` (an absent second row empty), a row's
 /// values comma-separated, a null empty.
 pub fn encode<'a>(
@@ -138,7 +152,7 @@ pub fn encode<'a>(
         }
     }
     if let Some(hold) = hold {
-        out.extend_from_slice(b" h");
+        out.extend_from_slice(if hold.committed { b" c" } else { b" h" });
         number(out, hold.tokens);
         out.push(b',');
         number(out, hold.until);
@@ -165,8 +179,13 @@ pub fn decode(value: &[u8]) -> Option<Record> {
     let hold = match parts.next() {
         None => None,
         Some(hold) => {
-            let numbers: Option<Vec<i64>> = hold
-                .strip_prefix(b"h")?
+            let (&state, numbers) = hold.split_first()?;
+            let committed = match state {
+                b'h' => false,
+                b'c' => true,
+                _ => return None,
+            };
+            let numbers: Option<Vec<i64>> = numbers
                 .split(|&b| b == b',')
                 .map(crate::args::parse_integer)
                 .collect();
@@ -176,6 +195,7 @@ pub fn decode(value: &[u8]) -> Option<Record> {
                     until,
                     chain,
                     charged,
+                    committed,
                 }),
                 _ => return None,
             }
@@ -229,7 +249,8 @@ pub struct Pruned<T> {
 }
 
 /// One remembered id as a look through a key's ids sees it: when it is forgotten (None:
-/// not a remembered reply), and whether it still holds tokens of an open reservation.
+/// not a remembered reply), and whether it is a reservation still needed
+/// ([`Reserved::needed`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Standing {
     pub forget_at: Option<i64>,
@@ -239,11 +260,12 @@ pub struct Standing {
 /// How the id remembered as `value` stands at `now_millis`.
 pub fn standing(value: &[u8], now_millis: i64) -> Standing {
     let forget_at = forget_at(value);
-    // Only an ADMIT that reserved has a hold (` h…`): the others are not decoded.
+    // Only an ADMIT that reserved and is not committed has ` h…`: the others are not
+    // decoded.
     let holding = value.windows(2).any(|pair| pair == b" h")
         && decode(value)
             .and_then(|record| record.hold)
-            .is_some_and(|hold| hold.tokens > 0 && hold.until > now_millis);
+            .is_some_and(|hold| hold.needed(now_millis));
     Standing { forget_at, holding }
 }
 
@@ -251,8 +273,9 @@ pub fn standing(value: &[u8], now_millis: i64) -> Standing {
 /// one more, forgotten at `new_forget_at`, is remembered: every one forgotten by
 /// `now_millis` or unreadable, and, while `most` or more remain, the oldest down to
 /// three quarters of `most`, so that a key at its cap is looked through once per
-/// quarter of it, not on every call. Those of open reservations go last: forgotten, a
-/// reservation could no longer be committed (its hold would count until it expires).
+/// quarter of it, not on every call. Those of reservations still needed go last:
+/// forgotten, a reservation could no longer be committed (its hold would count until it
+/// expires, and its commit would charge again what its partials paid).
 /// The next look is due a quarter of the ttl after the earliest kept one is forgotten.
 pub fn prune<T>(
     ids: Vec<(T, Standing)>,
@@ -360,12 +383,13 @@ mod tests {
         assert_eq!(field_name(&mut out, "take", b"r"), b"id:take:r");
     }
 
-    fn record(answer: Answer, hold: Option<(i64, i64)>) -> Record {
-        let hold = hold.map(|(tokens, until)| Reserved {
+    fn record(answer: Answer, hold: Option<(i64, i64, bool)>) -> Record {
+        let hold = hold.map(|(tokens, until, committed)| Reserved {
             tokens,
             until,
             chain: -7,
             charged: 9,
+            committed,
         });
         Record {
             forget_at: 1_000,
@@ -389,7 +413,11 @@ mod tests {
                 Answer::Pair(vec![Some(1), Some(19), Some(0)], Some(vec![Some(1), None])),
                 None,
             ),
-            (Answer::Row(vec![Some(1), Some(0)]), Some((300, 5_000))),
+            (
+                Answer::Row(vec![Some(1), Some(0)]),
+                Some((300, 5_000, false)),
+            ),
+            (Answer::Row(vec![Some(1), Some(0)]), Some((0, 5_000, true))),
         ] {
             let record = record(answer, hold);
             let text = encoded(&record);
@@ -443,6 +471,8 @@ mod tests {
             b"9 i1 h3,4,5",
             b"9 i1 h3,4,5,6,7",
             b"9 i1 h3,4,5,6 h",
+            b"9 i1 x3,4,5,6",
+            b"9 i1 c3,4,5",
         ] {
             assert_eq!(remembered(Some(text), 0), None, "{text:?}");
         }
@@ -511,6 +541,7 @@ mod tests {
             until,
             chain: 7,
             charged: 0,
+            committed: false,
         };
         let standing = |value: &[u8]| standing(value, 100);
         assert_eq!(
@@ -523,6 +554,24 @@ mod tests {
         assert!(standing(&record(Some(hold(40, 200)))).holding);
         assert!(!standing(&record(Some(hold(40, 100)))).holding, "expired");
         assert!(!standing(&record(Some(hold(0, 200)))).holding, "all paid");
+        // What its partials paid is needed by its commit, held or not.
+        let paid = |tokens, until| Reserved {
+            charged: 30,
+            ..hold(tokens, until)
+        };
+        assert!(
+            standing(&record(Some(paid(0, 200)))).holding,
+            "paid by partials"
+        );
+        assert!(
+            standing(&record(Some(paid(0, 100)))).holding,
+            "expired, paid"
+        );
+        let committed = Reserved {
+            committed: true,
+            ..paid(40, 200)
+        };
+        assert!(!standing(&record(Some(committed))).holding, "committed");
         assert_eq!(standing(b"junk").forget_at, None);
     }
 
@@ -556,8 +605,8 @@ mod tests {
         }
 
         #[test]
-        fn rows_round_trip(values in proptest::collection::vec(proptest::option::of(any::<i64>()), 1..6), at in 1i64..i64::MAX, hold in proptest::option::of((any::<i64>(), any::<i64>(), any::<i64>(), any::<i64>()))) {
-            let hold = hold.map(|(tokens, until, chain, charged)| Reserved { tokens, until, chain, charged });
+        fn rows_round_trip(values in proptest::collection::vec(proptest::option::of(any::<i64>()), 1..6), at in 1i64..i64::MAX, hold in proptest::option::of((any::<i64>(), any::<i64>(), any::<i64>(), any::<i64>(), any::<bool>()))) {
+            let hold = hold.map(|(tokens, until, chain, charged, committed)| Reserved { tokens, until, chain, charged, committed });
             let record = Record { forget_at: at, answer: Answer::Row(values), hold };
             prop_assert_eq!(remembered(Some(&encoded(&record)), at - 1), Some(record));
         }

@@ -370,18 +370,38 @@ pub struct RecordArgs {
 /// The longest HOLD: two of the longest windows.
 pub const MAX_HOLD_MILLIS: i64 = 2 * MAX_WINDOW_SECONDS * 1000;
 
+/// What a call's options may be: its option words, and the most arguments they take.
+struct Options<'a> {
+    words: &'a [&'a str],
+    most: usize,
+    /// What the words after a numscopes too small look like where the options should
+    /// begin: for each, whether it is an integer (a scope's `rpm`, a trailing `tokens`).
+    misplaced: &'a [bool],
+}
+
 /// `numscopes`, checked against the arguments that follow: `per_scope` each, then
-/// `trailing`, then options (`options_most` arguments at the most).
+/// `trailing`, then options. Where the options should begin, words shaped like
+/// `options.misplaced` and no option word mean a numscopes too small (a misspelled
+/// option is left to the options' own error).
 fn scope_count<L: ArgList + ?Sized>(
     args: &mut Args<'_, L>,
     per_scope: usize,
     trailing: usize,
-    options_most: usize,
+    options: &Options<'_>,
 ) -> Result<usize, ArgError> {
     let n = args.integer("numscopes", 1, MAX_SCOPES)? as usize;
     let rest = args.remaining();
     let expected = n * per_scope + trailing;
-    if rest < expected || rest > expected + options_most {
+    let is_option = |word: &[u8]| {
+        let word_is = |o: &&str| o.as_bytes().eq_ignore_ascii_case(word);
+        options.words.iter().any(word_is)
+    };
+    let misplaced = args.ahead(expected).is_some_and(|word| !is_option(word))
+        && options.misplaced.iter().enumerate().all(|(i, integer)| {
+            let word = args.ahead(expected + i);
+            word.is_some_and(|word| !integer || crate::args::parse_integer(word).is_some())
+        });
+    if rest < expected || rest > expected + options.most || misplaced {
         return Err(ArgError::Invalid(
             "numscopes does not match the number of arguments",
         ));
@@ -402,7 +422,13 @@ fn distinct<L: ArgList + ?Sized>(args: &Args<'_, L>, keys: &[usize]) -> Result<(
 pub fn parse_admit<L: ArgList + ?Sized>(list: &L) -> Result<AdmitArgs, ArgError> {
     let mut args = Args::new(list);
     args.expect_count(4, usize::MAX)?;
-    let n = scope_count(&mut args, 3, 0, 8)?;
+    let options = ["WINDOW", "RESERVE", "ID", "HOLD"];
+    let shape = Options {
+        words: &options,
+        most: 8,
+        misplaced: &[false, true, true],
+    };
+    let n = scope_count(&mut args, 3, 0, &shape)?;
     let mut scopes = Vec::with_capacity(n);
     for _ in 0..n {
         let key = args.key()?;
@@ -413,7 +439,6 @@ pub fn parse_admit<L: ArgList + ?Sized>(list: &L) -> Result<AdmitArgs, ArgError>
     let keys: Vec<usize> = scopes.iter().map(|(k, _)| *k).collect();
     distinct(&args, &keys)?;
     let (mut window, mut reserve, mut id, mut hold) = (None, None, None, None);
-    let options = ["WINDOW", "RESERVE", "ID", "HOLD"];
     let expected = "WINDOW seconds, RESERVE tokens, ID request-id or HOLD milliseconds";
     while let Some(option) = args.option(&options, expected)? {
         match option {
@@ -459,12 +484,17 @@ fn window_seconds<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<i64, Ar
 pub fn parse_record<L: ArgList + ?Sized>(list: &L) -> Result<RecordArgs, ArgError> {
     let mut args = Args::new(list);
     args.expect_count(3, usize::MAX)?;
-    let n = scope_count(&mut args, 1, 1, 5)?;
+    let options = ["WINDOW", "ID", "PARTIAL"];
+    let shape = Options {
+        words: &options,
+        most: 5,
+        misplaced: &[true],
+    };
+    let n = scope_count(&mut args, 1, 1, &shape)?;
     let keys: Vec<usize> = (0..n).map(|_| args.key()).collect::<Result<_, _>>()?;
     distinct(&args, &keys)?;
     let tokens = args.integer("tokens", 0, i64::MAX)?;
     let (mut window, mut id, mut partial) = (None, None, None);
-    let options = ["WINDOW", "ID", "PARTIAL"];
     let expected = "WINDOW seconds, ID request-id or PARTIAL";
     while let Some(option) = args.option(&options, expected)? {
         match option {
@@ -770,6 +800,29 @@ mod tests {
             (
                 "RECORD 1 k 5 ID r WINDOW 5 PARTIAL x",
                 "ERR numscopes does not match the number of arguments",
+            ),
+            // A numscopes too small: a scope's words, not options, follow the scopes.
+            ("RECORD 1 a b 5", "ERR numscopes does not match the number of arguments"),
+            (
+                "RECORD 1 a b 5 WINDOW 60",
+                "ERR numscopes does not match the number of arguments",
+            ),
+            (
+                "ADMIT 1 a 1 1 b 2 2",
+                "ERR numscopes does not match the number of arguments",
+            ),
+            (
+                "ADMIT 1 a 1 1 b 2 2 WINDOW 5",
+                "ERR numscopes does not match the number of arguments",
+            ),
+            // A misspelled option keeps its own error.
+            (
+                "ADMIT 1 a 1 1 WINDOWS 60",
+                "ERR syntax error: expected WINDOW seconds, RESERVE tokens, ID request-id or HOLD milliseconds",
+            ),
+            (
+                "RECORD 1 a 5 WINDOWS 60",
+                "ERR syntax error: expected WINDOW seconds, ID request-id or PARTIAL",
             ),
         ] {
             let got = if text.starts_with("ADMIT") { parse_a(text).err() } else { parse_r(text).err() };
