@@ -438,8 +438,15 @@ mod tests {
             b"1000 p0,0,5;"
         );
         assert_eq!(
-            encoded(&record(Answer::Row(vec![Some(1), None]), Some((3, 4)))),
+            encoded(&record(
+                Answer::Row(vec![Some(1), None]),
+                Some((3, 4, false))
+            )),
             b"1000 r1, h3,4,-7,9"
+        );
+        assert_eq!(
+            encoded(&record(Answer::Row(vec![Some(1)]), Some((0, 4, true)))),
+            b"1000 r1 c0,4,-7,9"
         );
     }
 
