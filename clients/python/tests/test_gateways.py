@@ -26,11 +26,12 @@ Answer = Tuple[int, List[str], str]
 
 
 class Gateway:
-    def __init__(self, server: Server, flags: List[str]) -> None:
+    def __init__(self, server: Server, flags: List[str], log: Optional[Path] = None) -> None:
         self.process = subprocess.Popen(
             [sys.executable, str(EXAMPLE), "--redis", server.url, "--listen", "127.0.0.1:0"]
             + flags,
             stdout=subprocess.PIPE,
+            stderr=None if log is None else log.open("w"),
             text=True,
         )
         assert self.process.stdout is not None
@@ -50,8 +51,8 @@ class Gateway:
 def start_gateway() -> Iterator[Callable[..., Gateway]]:
     started: List[Gateway] = []
 
-    def start(server: Server, *flags: str) -> Gateway:
-        gateway = Gateway(server, list(flags))
+    def start(server: Server, *flags: str, log: Optional[Path] = None) -> Gateway:
+        gateway = Gateway(server, list(flags), log)
         started.append(gateway)
         return gateway
 
@@ -230,18 +231,28 @@ def test_streams_hold_their_slot_to_the_last_byte(
 
 
 def test_an_unavailable_redis_answers_503_under_raise(
-    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], tmp_path: Path
 ) -> None:
     server = start_server()
-    gateway = start_gateway(server, "--key-limit", "100/3600")
+    log = tmp_path / "gateway.log"
+    gateway = start_gateway(server, "--key-limit", "100/3600", log=log)
     assert get(gateway.url("key=acme~u"))[0] == 200
     server.kill()
+    started = time.monotonic()
     status, fields, body = get(gateway.url("key=acme~u"))
     assert status == 503
     assert fields == ["retry-after=5"]
     assert without_request_id(body) == (
         '{"error":"Rate limiting is unavailable","code":"limiter_unavailable","retry_after":5}'
     )
+    for _ in range(100):
+        assert get(gateway.url("key=acme~u"))[0] == 503
+    seconds = time.monotonic() - started
+    gateway.stop()
+    # Logged once a second, not once a request: an outage must not flood the log.
+    lines = [line for line in log.read_text().splitlines() if "answered 503" in line]
+    assert 1 <= len(lines) <= 1 + math.ceil(seconds), lines
+    assert "a limit could not be asked" in lines[0]
 
 
 def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) -> None:

@@ -141,6 +141,17 @@ def test_one_probe_after_a_back_off_and_only_the_probe_ends_it() -> None:
     assert not never.answered(False, never.generation)
 
 
+def test_a_repeated_log_line_is_written_once_a_second_with_what_it_left_out() -> None:
+    from qag_client._policy import LogEvery
+
+    log = LogEvery()
+    assert log.due(100.0) == 0
+    assert [log.due(100.0 + t) for t in (0.1, 0.5, 0.99)] == [None, None, None]
+    assert log.due(101.0) == 3, "a second later: the three left out"
+    assert log.due(101.5) is None
+    assert log.due(105.0) == 1
+
+
 def test_errors_sorted_busy_apart_from_outages() -> None:
     import redis.exceptions as errors
 

@@ -133,6 +133,31 @@ impl Counts {
     }
 }
 
+/// At most one log line per `every` for an event that may repeat thousands of times a
+/// second (requests answered 503 in an outage): [`LogEvery::due`] says whether to write
+/// one now, and how many it left out since the last.
+#[derive(Debug, Default)]
+pub(crate) struct LogEvery {
+    last: Option<Instant>,
+    left_out: u64,
+}
+
+impl LogEvery {
+    /// None while it is too soon (the event counted), else how many were left out.
+    pub(crate) fn due(&mut self, now: Instant, every: Duration) -> Option<u64> {
+        match self.last {
+            Some(last) if now.saturating_duration_since(last) < every => {
+                self.left_out += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.left_out))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,5 +259,18 @@ mod tests {
                 errors: 0
             }
         );
+    }
+
+    #[test]
+    fn a_repeated_log_line_is_written_once_a_second_with_what_it_left_out() {
+        let (start, second) = (Instant::now(), Duration::from_secs(1));
+        let mut log = LogEvery::default();
+        assert_eq!(log.due(start, second), Some(0));
+        for millis in [100, 500, 990] {
+            assert_eq!(log.due(start + Duration::from_millis(millis), second), None);
+        }
+        assert_eq!(log.due(start + second, second), Some(3));
+        assert_eq!(log.due(start + Duration::from_millis(1500), second), None);
+        assert_eq!(log.due(start + Duration::from_secs(5), second), Some(1));
     }
 }

@@ -19,9 +19,9 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -35,8 +35,9 @@ use crate::error::Error;
 use crate::headers::Headers;
 use crate::ids::new_request_id;
 use crate::leases::{Lease, LeaseGuard};
-use crate::limiter::Limiter;
+use crate::limiter::{lock, Limiter};
 use crate::naming::Bucket;
+use crate::policy::LogEvery;
 
 type Extract = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type LimitsOf = dyn Fn(&str) -> KeyLimits + Send + Sync;
@@ -59,6 +60,8 @@ struct Config {
     key_limits: Box<LimitsOf>,
     lease_ttl: Duration,
     draft_headers: bool,
+    /// Requests answered 503 because a limit could not be asked: one line a second.
+    unavailable_log: Mutex<LogEvery>,
 }
 
 /// The layer: configure it once, `.layer(...)` it onto a router or service.
@@ -98,6 +101,7 @@ where
                 key_limits: Box::new(|_| KeyLimits::default()),
                 lease_ttl: Duration::from_secs(30),
                 draft_headers: true,
+                unavailable_log: Mutex::default(),
             }),
         }
     }
@@ -433,7 +437,19 @@ where
     /// missing module, NOPERM); what the buckets took is given back.
     async fn failed(&mut self, error: &Error) -> Refusal {
         self.give_back().await;
-        log::warn!(target: "qag_client", "request {} not limited: {error}", self.request_id);
+        let left_out =
+            lock(&self.config.unavailable_log).due(Instant::now(), Duration::from_secs(1));
+        if let Some(left_out) = left_out {
+            let since = match left_out {
+                0 => String::new(),
+                n => format!(" ({n} more since the last such line)"),
+            };
+            log::warn!(
+                target: "qag_client",
+                "request {} answered 503, a limit could not be asked: {error}{since}",
+                self.request_id
+            );
+        }
         Refusal::Unavailable {
             retry_after: self.limiter.options().back_off.as_secs().max(1),
         }

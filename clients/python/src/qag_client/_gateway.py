@@ -37,6 +37,7 @@ from typing import (
 )
 from urllib.parse import parse_qs
 
+from ._policy import LogEvery
 from .answers import Refusal
 from .decisions import Decision, QagError, QagRefused, Quota, QuotaDecision
 from .headers import headers
@@ -116,6 +117,9 @@ class Config:
     lease_ttl_ms: int = 30_000
     draft_headers: bool = True
     back_off: float = 5.0
+    # Requests answered 503 because a limit could not be asked: one line a second.
+    unavailable_log: LogEvery = field(default_factory=LogEvery, compare=False)
+    unavailable_log_lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
 
     @staticmethod
     def of(
@@ -256,7 +260,15 @@ class Limiting:
         except QagError as error:
             # A limit could not be asked: 503 under "raise" (the other policies answer
             # an outage) or for an error no policy answers; what was taken goes back.
-            log.warning("qag: request %s not limited: %s", self.request_id, error)
+            with self.config.unavailable_log_lock:
+                left_out = self.config.unavailable_log.due(time.monotonic())
+            if left_out is not None:
+                log.warning(
+                    "qag: request %s answered 503, a limit could not be asked: %s%s",
+                    self.request_id,
+                    error,
+                    f" ({left_out} more since the last such line)" if left_out else "",
+                )
             yield from self._give_back()
             return Refusal("unavailable", max(int(self.config.back_off), 1))
 

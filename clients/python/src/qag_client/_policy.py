@@ -108,3 +108,21 @@ class Tally:
         return Counts(
             self.module, self.script, self.local, self.forwarded, self.errors, self.replays
         )
+
+
+class LogEvery:
+    """At most one log line per ``every`` seconds for an event that may repeat thousands
+    of times a second (requests answered 503 in an outage): ``due(now)`` is None while
+    it is too soon (the event counted), else how many it left out since the last line."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every = every
+        self._last: Optional[float] = None
+        self._left_out = 0
+
+    def due(self, now: float) -> Optional[int]:
+        if self._last is not None and now - self._last < self.every:
+            self._left_out += 1
+            return None
+        left_out, self._last, self._left_out = self._left_out, now, 0
+        return left_out
