@@ -281,8 +281,8 @@ impl Target {
 }
 
 /// A cluster of three primaries on loopback, each started with `options` plus cluster
-/// mode, its slots assigned by `redis-cli --cluster create`; returned once every node
-/// reports the cluster ok.
+/// mode, its slots split among them in order; returned once every node reports the
+/// cluster ok.
 pub fn start_cluster(options: &ServerOptions) -> Vec<Server> {
     start_cluster_of(&ClusterOptions {
         primaries: vec![options.clone(), options.clone(), options.clone()],
@@ -336,34 +336,7 @@ pub fn start_cluster_of(cluster: &ClusterOptions) -> Vec<Server> {
             Server::start(&options)
         })
         .collect();
-    let address = |node: &Server| format!("127.0.0.1:{}", node.port);
-    let addresses: Vec<String> = nodes[..count].iter().map(address).collect();
-    let created = Command::new("redis-cli")
-        .arg("--cluster")
-        .arg("create")
-        .args(&addresses)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .output()
-        .expect("run redis-cli --cluster create");
-    assert!(
-        created.status.success(),
-        "{}",
-        String::from_utf8_lossy(&created.stdout)
-    );
-    for (n, replica) in nodes[count..].iter().enumerate() {
-        let mut con = nodes[n].client().get_connection().unwrap();
-        let id: String = cmd("CLUSTER").arg("MYID").query(&mut con).unwrap();
-        let added = Command::new("redis-cli")
-            .args(["--cluster", "add-node", &address(replica), &addresses[0]])
-            .args(["--cluster-slave", "--cluster-master-id", &id])
-            .output()
-            .expect("run redis-cli --cluster add-node");
-        assert!(
-            added.status.success(),
-            "{}",
-            String::from_utf8_lossy(&added.stdout)
-        );
-    }
+    form_cluster(&nodes[..count], &nodes[count..]);
     let deadline = Instant::now() + Duration::from_secs(30);
     for node in &nodes {
         let mut con = node.client().get_connection().unwrap();
@@ -371,8 +344,9 @@ pub fn start_cluster_of(cluster: &ClusterOptions) -> Vec<Server> {
             let info: String = cmd("CLUSTER").arg("INFO").query(&mut con).unwrap();
             let known: String = cmd("CLUSTER").arg("NODES").query(&mut con).unwrap();
             let replication: String = cmd("INFO").arg("replication").query(&mut con).unwrap();
+            let met = known.lines().filter(|line| !line.contains("handshake"));
             if info.contains("cluster_state:ok")
-                && known.lines().count() == nodes.len()
+                && met.count() == nodes.len()
                 && (replication.contains("role:master")
                     || replication.contains("master_link_status:up"))
             {
@@ -386,6 +360,75 @@ pub fn start_cluster_of(cluster: &ClusterOptions) -> Vec<Server> {
         }
     }
     nodes
+}
+
+/// Forms the cluster as `redis-cli --cluster create` and `add-node --cluster-slave`
+/// would, without their waits, which have no end: a handshake dropped on a loaded
+/// machine (it must finish within the node timeout) left `add-node` waiting forever.
+/// Here each node is introduced again until it knows every other, all within 30 s.
+fn form_cluster(primaries: &[Server], replicas: &[Server]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let con = |node: &Server| node.client().get_connection().unwrap();
+    let slots = 16384 / primaries.len();
+    for (n, primary) in primaries.iter().enumerate() {
+        let last = if n + 1 == primaries.len() {
+            16383
+        } else {
+            (n + 1) * slots - 1
+        };
+        let mut con = con(primary);
+        let _: () = cmd("CLUSTER")
+            .arg("ADDSLOTSRANGE")
+            .arg(n * slots)
+            .arg(last)
+            .query(&mut con)
+            .unwrap();
+        let _: () = cmd("CLUSTER")
+            .arg("SET-CONFIG-EPOCH")
+            .arg(n + 1)
+            .query(&mut con)
+            .unwrap();
+    }
+    let nodes: Vec<&Server> = primaries.iter().chain(replicas).collect();
+    let first = primaries[0].port;
+    loop {
+        let mut strangers = 0;
+        for node in &nodes[1..] {
+            let mut con = con(node);
+            let known: String = cmd("CLUSTER").arg("NODES").query(&mut con).unwrap();
+            // A node still in handshake is not known yet: the handshake may be dropped.
+            let met = known.lines().filter(|line| !line.contains("handshake"));
+            if met.count() < nodes.len() {
+                strangers += 1;
+                let _: () = cmd("CLUSTER")
+                    .arg("MEET")
+                    .arg("127.0.0.1")
+                    .arg(first)
+                    .query(&mut con)
+                    .unwrap();
+            }
+        }
+        if strangers == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the nodes never met");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for (n, replica) in replicas.iter().enumerate() {
+        let id: String = cmd("CLUSTER")
+            .arg("MYID")
+            .query(&mut con(&primaries[n % primaries.len()]))
+            .unwrap();
+        let mut con = con(replica);
+        while let Err(error) = cmd("CLUSTER")
+            .arg("REPLICATE")
+            .arg(&id)
+            .query::<()>(&mut con)
+        {
+            assert!(Instant::now() < deadline, "never a replica: {error}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 /// How many times the server ran `command` (lower case, e.g. `qag.take`), from

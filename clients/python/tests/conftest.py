@@ -153,8 +153,8 @@ def start_server() -> Iterator[Callable[..., Server]]:
 
 @pytest.fixture
 def start_cluster(start_server: Callable[..., Server]) -> Callable[..., List[Server]]:
-    """Three primaries (and a replica each with ``replicas=1``), slots assigned by
-    redis-cli --cluster create; the primaries come first. ``with_module`` is one flag
+    """Three primaries (and a replica each with ``replicas=1``), the slots split among
+    them in order; the primaries come first. ``with_module`` is one flag
     for every node or one per primary (its replica follows it)."""
 
     def start(
@@ -172,19 +172,7 @@ def start_cluster(start_server: Callable[..., Server]) -> Callable[..., List[Ser
             )  # fmt: skip
             for n in range(3 * (1 + replicas))
         ]
-        primaries = [f"127.0.0.1:{n.port}" for n in nodes[:3]]
-        subprocess.run(
-            ["redis-cli", "--cluster", "create", *primaries,
-             "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        for n, replica in enumerate(nodes[3:]):
-            subprocess.run(
-                ["redis-cli", "--cluster", "add-node", f"127.0.0.1:{replica.port}",
-                 primaries[0], "--cluster-slave", "--cluster-master-id",
-                 node_id(nodes[n % 3])],
-                check=True, capture_output=True,
-            )  # fmt: skip
+        form_cluster(nodes[:3], nodes[3:])
         deadline = time.monotonic() + 30
         for node in nodes:
             while not cluster_ready(node, len(nodes)):
@@ -193,6 +181,44 @@ def start_cluster(start_server: Callable[..., Server]) -> Callable[..., List[Ser
         return nodes
 
     return start
+
+
+def form_cluster(primaries: List[Server], replicas: List[Server]) -> None:
+    """What ``redis-cli --cluster create`` and ``add-node --cluster-slave`` do, without
+    their waits, which have no end: a handshake dropped on a loaded machine (it must
+    finish within the node timeout) left ``add-node`` waiting forever. Here each node is
+    introduced again until it knows every other, all within 30 s."""
+    deadline = time.monotonic() + 30
+    slots = 16384 // len(primaries)
+    for n, primary in enumerate(primaries):
+        last = 16383 if n + 1 == len(primaries) else (n + 1) * slots - 1
+        primary.client().execute_command("CLUSTER", "ADDSLOTSRANGE", n * slots, last)
+        primary.client().execute_command("CLUSTER", "SET-CONFIG-EPOCH", n + 1)
+    nodes = primaries + replicas
+    while True:
+        strangers = [node for node in nodes[1:] if len(met(node)) < len(nodes)]
+        if not strangers:
+            break
+        for node in strangers:
+            node.client().execute_command("CLUSTER", "MEET", "127.0.0.1", primaries[0].port)
+        assert time.monotonic() < deadline, "the nodes never met"
+        time.sleep(0.5)
+    for n, replica in enumerate(replicas):
+        master = node_id(primaries[n % len(primaries)])
+        while True:
+            try:
+                replica.client().execute_command("CLUSTER", "REPLICATE", master)
+                break
+            except redis.ResponseError:  # the primary not known to it yet
+                assert time.monotonic() < deadline, "never a replica"
+                time.sleep(0.1)
+
+
+def met(node: Server) -> List[str]:
+    """The nodes ``node`` knows, itself included (one still in handshake is not known
+    yet: the handshake may be dropped)."""
+    lines = node.client().execute_command("CLUSTER", "NODES").decode().splitlines()
+    return [line for line in lines if "handshake" not in line]
 
 
 def node_id(node: Server) -> str:
@@ -204,7 +230,7 @@ def cluster_ready(node: Server, size: int) -> bool:
     client = node.client()
     if b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
         return False
-    lines = client.execute_command("CLUSTER", "NODES").decode().splitlines()
+    lines = met(node)
     if len(lines) != size or not all(" connected" in line for line in lines):
         return False
     role = client.info("replication")
