@@ -9,11 +9,13 @@ use qag_core::bucket::{self, Limit, State, Take as Outcome, Verdict};
 use qag_core::number::{format_number, NumberBuffer};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
-use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
+use crate::key::{Access, FieldName, Key, OwnedString, RawString, ValueType};
 use crate::replay::{self, Remembered, RequestId};
 use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY};
 
 static TOKENS: FieldName = FieldName::new("tokens");
+/// An unused place in a list of fields to write.
+const NO_FIELD: (RawString, RawString) = (std::ptr::null_mut(), std::ptr::null_mut());
 static TS: FieldName = FieldName::new("ts");
 
 /// Makes the field names; called once when the module loads.
@@ -82,10 +84,8 @@ impl<'a> Bucket<'a> {
             return (self.stored(now), None);
         };
         let field = RequestId::field(ctx, command, args, index);
-        let [tokens, ts, value, summary] =
-            self.key
-                .hash_get([TOKENS.raw(), TS.raw(), field.raw, replay::SUMMARY.raw()]);
-        let id = RequestId::found(field, value, summary, now_micros / 1000);
+        let [tokens, ts, value] = self.key.hash_get([TOKENS.raw(), TS.raw(), field.raw]);
+        let id = RequestId::found(field, value, now_micros / 1000);
         (self.state_of(tokens, ts, now), Some(id))
     }
 
@@ -103,14 +103,19 @@ impl<'a> Bucket<'a> {
         let mut text = NumberBuffer::new();
         let tokens = OwnedString::new(ctx, format_number(&mut text, state.tokens).as_bytes());
         let ts = OwnedString::new(ctx, format_number(&mut text, state.ts).as_bytes());
-        let own = [(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw)];
-        match remembered {
-            Some(r) => {
-                let fields: Vec<_> = own.into_iter().chain(r.fields()).collect();
-                self.key.set_fields(&fields);
-            }
-            None => self.key.set_fields(&own),
+        // Its own two fields and what the call remembers: one HSET, on the stack.
+        let mut fields = [
+            (TOKENS.raw(), tokens.raw),
+            (TS.raw(), ts.raw),
+            NO_FIELD,
+            NO_FIELD,
+        ];
+        let mut written = 2;
+        for field in remembered.iter().flat_map(|r| r.fields()) {
+            fields[written] = field;
+            written += 1;
         }
+        self.key.set_fields(&fields[..written]);
         let (ts, period) = (state.ts, self.limit.period);
         let own_id = remembered.map_or(0, |r| r.keep_until);
         self.key.expire_given(|current, key| {
@@ -130,7 +135,13 @@ impl<'a> Bucket<'a> {
     /// Writes only what the call remembers, for a call that changes no bucket.
     fn remember_only(&mut self, remembered: Option<&Remembered>) {
         if let Some(r) = remembered {
-            self.key.set_fields(&r.fields().collect::<Vec<_>>());
+            let mut fields = [NO_FIELD; 2];
+            let mut written = 0;
+            for field in r.fields() {
+                fields[written] = field;
+                written += 1;
+            }
+            self.key.set_fields(&fields[..written]);
             self.key
                 .expire_given(|current, _| current.max(r.keep_until));
         }

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use qag_core::args::ArgList;
-use qag_core::replay::{self, Answer, AnswerRef, Record, Reserved, Upkeep};
+use qag_core::replay::{self, Answer, AnswerRef, Record, Reserved};
 
 use crate::command::{Ctx, RawArgs, Reply, Row};
 use crate::key::{FieldName, Key, OwnedString, RawString};
@@ -14,7 +14,9 @@ use crate::key::{FieldName, Key, OwnedString, RawString};
 static ID_SECONDS: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_SECONDS);
 static ID_MAX: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_MAX);
 
-pub static SUMMARY: FieldName = FieldName::new("ids");
+/// A window's mark that its hash remembers ids (`replay::MARKER_FIELD`), and its value.
+pub static MARKER: FieldName = FieldName::new("ids");
+static MARKER_VALUE: FieldName = FieldName::new("1");
 
 thread_local! {
     // Where a field name or a remembered reply is written before the server copies it:
@@ -29,7 +31,8 @@ fn string_of(ctx: &Ctx, write: impl FnOnce(&mut Vec<u8>) -> &[u8]) -> OwnedStrin
 
 /// Makes the field name and keeps the load arguments; called once when the module loads.
 pub fn init(id_seconds: i64, id_max: i64) {
-    SUMMARY.create();
+    MARKER.create();
+    MARKER_VALUE.create();
     ID_SECONDS.store(id_seconds, Ordering::Relaxed);
     ID_MAX.store(id_max, Ordering::Relaxed);
 }
@@ -49,11 +52,10 @@ pub fn keep_until(now_millis: i64) -> i64 {
 }
 
 /// What a call remembers in its key: the fields to write with the call's own (the id's,
-/// and the time of the next look through the key's ids when that changes), and how
-/// long the key must be kept for them.
+/// and the window's marker with its first), and how long the key must be kept for them.
 pub struct Remembered {
     id: (OwnedString, OwnedString),
-    prune_at: Option<OwnedString>,
+    marked: bool,
     /// The key's expiry must be no earlier than this.
     pub keep_until: i64,
 }
@@ -62,15 +64,17 @@ impl Remembered {
     /// The fields to write: one or two.
     pub fn fields(&self) -> impl Iterator<Item = (RawString, RawString)> + '_ {
         std::iter::once((self.id.0.raw, self.id.1.raw))
-            .chain(self.prune_at.as_ref().map(|at| (SUMMARY.raw(), at.raw)))
+            .chain(self.marked.then(|| (MARKER.raw(), MARKER_VALUE.raw())))
     }
 }
 
 /// One call's request id, as read from its key.
 pub struct RequestId {
     field: OwnedString,
-    /// When the key's ids are next to be looked through, from its `ids` field.
-    prune_at: Option<i64>,
+    /// Whether this call looks through the key's ids (`replay::pick`).
+    pick: u64,
+    /// Whether the window's marker is written with the id (its hash has none yet).
+    pub mark: bool,
     /// The reply remembered under it, when the call is a replay.
     pub remembered: Option<Reply>,
 }
@@ -86,8 +90,8 @@ impl RequestId {
         now_millis: i64,
     ) -> RequestId {
         let field = RequestId::field(ctx, command, args, index);
-        let [value, summary] = key.hash_get([field.raw, SUMMARY.raw()]);
-        RequestId::found(field, value, summary, now_millis)
+        let [value] = key.hash_get([field.raw]);
+        RequestId::found(field, value, now_millis)
     }
 
     /// The field of the id at argument `index` of a call of `command`, for a caller that
@@ -98,28 +102,24 @@ impl RequestId {
         })
     }
 
-    /// The id, from its field's value and the key's `ids` field as read.
-    pub fn found(
-        field: OwnedString,
-        value: Option<OwnedString>,
-        summary: Option<OwnedString>,
-        now_millis: i64,
-    ) -> RequestId {
+    /// The id, from its field's value as read.
+    pub fn found(field: OwnedString, value: Option<OwnedString>, now_millis: i64) -> RequestId {
         let remembered = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)
             .map(|record| reply_of(record.answer));
         if remembered.is_some() {
             crate::stats::replayed();
         }
         RequestId {
+            pick: replay::pick(field.bytes(), now_millis),
             field,
-            prune_at: summary.and_then(|s| qag_core::args::parse_integer(s.bytes())),
+            mark: false,
             remembered,
         }
     }
 
     /// Remembers `reply` under the id until ID-SECONDS from now: the fields to write
     /// with the call's own. Looks through the key's ids first, and removes those
-    /// forgotten, when it is time or the key is at its cap.
+    /// forgotten, about once in as many calls as the key has fields, and at its cap.
     pub fn remember(self, ctx: &Ctx, key: &mut Key, reply: &Reply, now_millis: i64) -> Remembered {
         self.remember_holding(ctx, key, reply, None, now_millis)
     }
@@ -134,32 +134,26 @@ impl RequestId {
         hold: Option<Reserved>,
         now_millis: i64,
     ) -> Remembered {
-        let (ttl, most) = (ttl_millis(), ID_MAX.load(Ordering::Relaxed) as usize);
-        let forget_at = (now_millis + ttl).max(hold.map_or(0, |h| h.until));
-        let prune_at = match replay::upkeep(self.prune_at, key.len(), now_millis, ttl, most) {
-            Upkeep::Nothing => None,
-            Upkeep::Start(at) => Some(at),
-            Upkeep::Prune => {
-                let ids = key
-                    .hash_entries_where(&|name| name.starts_with(replay::FIELD_PREFIX))
-                    .into_iter()
-                    .map(|(name, value)| {
-                        let standing = replay::standing(value.bytes(), now_millis);
-                        (name, standing)
-                    })
-                    .collect();
-                let pruned = replay::prune(ids, forget_at, now_millis, ttl, most);
-                let forget: Vec<_> = pruned.forget.iter().map(|name| name.raw).collect();
-                key.delete_fields(&forget);
-                Some(pruned.prune_at)
-            }
-        };
+        let most = ID_MAX.load(Ordering::Relaxed) as usize;
+        if replay::looks_through(key.len(), self.pick, most) {
+            let ids = key
+                .hash_entries_where(&|name| name.starts_with(replay::FIELD_PREFIX))
+                .into_iter()
+                .map(|(name, value)| {
+                    let standing = replay::standing(value.bytes(), now_millis);
+                    (name, standing)
+                })
+                .collect();
+            let forget = replay::prune(ids, now_millis, most);
+            key.delete_fields(&forget.iter().map(|name| name.raw).collect::<Vec<_>>());
+        }
+        let forget_at = (now_millis + ttl_millis()).max(hold.map_or(0, |h| h.until));
         let record = string_of(ctx, |text| {
             replay::encode(text, forget_at, answer_of(reply), hold)
         });
         Remembered {
             id: (self.field, record),
-            prune_at: prune_at.map(|at| OwnedString::from_integer(ctx, at)),
+            marked: self.mark,
             keep_until: keep_until(now_millis).max(forget_at),
         }
     }

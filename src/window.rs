@@ -125,7 +125,8 @@ impl<'ctx> Chain<'ctx> {
         self.fields.clock.now_micros / 1000
     }
 
-    /// The request id of a call of `command`, read from the first scope's key.
+    /// The request id of a call of `command`, read from the first scope's key (marked, when
+    /// its first, as one that remembers ids).
     fn request_id(
         &self,
         ctx: &Ctx,
@@ -134,7 +135,11 @@ impl<'ctx> Chain<'ctx> {
         id: Option<usize>,
     ) -> Option<RequestId> {
         let now = self.now_millis();
-        id.map(|index| RequestId::read(ctx, &self.keys[0], command, args, index, now))
+        id.map(|index| {
+            let mut id = RequestId::read(ctx, &self.keys[0], command, args, index, now);
+            id.mark = !self.scopes[0].has_ids;
+            id
+        })
     }
 
     /// Sets one current counter of every scope, in order, to `values`, and writes what
@@ -208,7 +213,7 @@ impl Scope {
         };
         // Only a hash with more than its counters can hold reservations or ids.
         if key.len() > counted {
-            let [holds, ids] = key.hash_get([HOLDS.raw(), replay::SUMMARY.raw()]);
+            let [holds, ids] = key.hash_get([HOLDS.raw(), replay::MARKER.raw()]);
             scope.has_extras = holds.is_some() || ids.is_some();
             scope.has_ids = ids.is_some();
             if let Some(holds) = holds {

@@ -502,6 +502,58 @@ fn ids_expire_and_never_grow_a_key_without_bound() {
 }
 
 #[test]
+fn forgotten_ids_are_removed_as_keys_go_on_remembering_others() {
+    if external("forgotten_ids_are_removed_as_keys_go_on_remembering_others") {
+        return;
+    }
+    // Far below the cap: only the looks a call makes now and then remove forgotten ids.
+    let server = server_with(&["ID-SECONDS", "2", "ID-MAX", "100000"]);
+    let mut con = server.client().get_connection().unwrap();
+    let take_all = |con: &mut Connection, keys: usize, prefix: &str, calls: usize| {
+        let mut pipe = redis::pipe();
+        for k in 0..keys {
+            for i in 0..calls {
+                pipe.cmd("QAG.TAKE")
+                    .arg(format!("{{b}}{k}"))
+                    .arg(1_000_000)
+                    .arg(60)
+                    .arg("ID")
+                    .arg(format!("{prefix}-{k}-{i}"));
+            }
+        }
+        pipe.query::<Vec<Vec<i64>>>(con).unwrap()
+    };
+    let hlen = |con: &mut Connection, k: usize| -> usize {
+        cmd("HLEN").arg(format!("{{b}}{k}")).query(con).unwrap()
+    };
+    take_all(&mut con, 200, "old", 10);
+    std::thread::sleep(Duration::from_millis(2_100));
+    let started = Instant::now();
+    let first = take_all(&mut con, 200, "new", 64);
+    assert!(
+        started.elapsed() < Duration::from_millis(1_500),
+        "the new ids are all still remembered"
+    );
+    // About one call in 32 looks while a key has few fields: most of 200 keys have
+    // looked in 64 calls (each with about a 78% chance), and kept every new id.
+    let looked = (0..200).filter(|&k| hlen(&mut con, k) == 2 + 64).count();
+    let untouched = (0..200)
+        .filter(|&k| hlen(&mut con, k) == 2 + 10 + 64)
+        .count();
+    assert!(
+        looked >= 100,
+        "{looked} of 200 keys removed their forgotten ids"
+    );
+    assert_eq!(looked + untouched, 200, "nothing but forgotten ids removed");
+    assert_eq!(
+        take_all(&mut con, 200, "new", 64),
+        first,
+        "every new id replayed"
+    );
+    server.shutdown();
+}
+
+#[test]
 fn a_busy_key_at_its_cap_keeps_its_open_reservations() {
     if external("a_busy_key_at_its_cap_keeps_its_open_reservations") {
         return;

@@ -118,6 +118,11 @@ impl<'a, L: ArgList + ?Sized> Args<'a, L> {
         self.list.get(index)
     }
 
+    /// A string argument, any bytes: its index and its bytes.
+    pub fn string_and_bytes(&mut self) -> Result<(usize, &'a [u8]), ArgError> {
+        self.take()
+    }
+
     /// A string argument, any bytes: returns its index, so the module can hand the
     /// server's own string on without copying it.
     pub fn string(&mut self) -> Result<usize, ArgError> {

@@ -117,49 +117,55 @@ pub fn encode<'a>(
     answer: AnswerRef<'_>,
     hold: Option<Reserved>,
 ) -> &'a [u8] {
-    let mut digits = itoa::Buffer::new();
-    out.clear();
-    let mut number = |out: &mut Vec<u8>, v: i64| out.extend_from_slice(digits.format(v).as_bytes());
-    let row =
-        |out: &mut Vec<u8>, number: &mut dyn FnMut(&mut Vec<u8>, i64), values: &[Option<i64>]| {
-            for (i, value) in values.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                if let Some(v) = value {
-                    number(out, *v);
-                }
+    fn number(out: &mut Vec<u8>, v: i64) {
+        match u8::try_from(v) {
+            // Most of a reply's values: a flag, a retry of 0.
+            Ok(digit @ 0..=9) => out.push(b'0' + digit),
+            _ => out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes()),
+        }
+    }
+    fn row(out: &mut Vec<u8>, values: &[Option<i64>]) {
+        for (i, value) in values.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
             }
-        };
+            if let Some(v) = value {
+                number(out, *v);
+            }
+        }
+    }
+    out.clear();
+    out.reserve(64);
     number(out, forget_at);
-    out.push(b' ');
     match answer {
         AnswerRef::Integer(v) => {
-            out.push(b'i');
+            out.extend_from_slice(b" i");
             number(out, v);
         }
         AnswerRef::Row(values) => {
-            out.push(b'r');
-            row(out, &mut number, values);
+            out.extend_from_slice(b" r");
+            row(out, values);
         }
         AnswerRef::Pair(first, second) => {
-            out.push(b'p');
-            row(out, &mut number, first);
+            out.extend_from_slice(b" p");
+            row(out, first);
             out.push(b';');
             if let Some(second) = second {
-                row(out, &mut number, second);
+                row(out, second);
             }
         }
     }
     if let Some(hold) = hold {
         out.extend_from_slice(if hold.committed { b" c" } else { b" h" });
-        number(out, hold.tokens);
-        out.push(b',');
-        number(out, hold.until);
-        out.push(b',');
-        number(out, hold.chain);
-        out.push(b',');
-        number(out, hold.charged);
+        for (i, v) in [hold.tokens, hold.until, hold.chain, hold.charged]
+            .into_iter()
+            .enumerate()
+        {
+            if i > 0 {
+                out.push(b',');
+            }
+            number(out, v);
+        }
     }
     out
 }
@@ -239,15 +245,6 @@ pub fn remembered(value: Option<&[u8]>, now_millis: i64) -> Option<Record> {
     decode(value?).filter(|record| record.forget_at > now_millis)
 }
 
-/// What a look through a key's remembered ids decides.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Pruned<T> {
-    /// The ids to remove.
-    pub forget: Vec<T>,
-    /// When to look through them next (the key's `ids` field).
-    pub prune_at: i64,
-}
-
 /// One remembered id as a look through a key's ids sees it: when it is forgotten (None:
 /// not a remembered reply), and whether it is a reservation still needed
 /// ([`Reserved::needed`]).
@@ -270,20 +267,13 @@ pub fn standing(value: &[u8], now_millis: i64) -> Standing {
 }
 
 /// Which of a key's remembered ids to forget, given each one's field and standing, as
-/// one more, forgotten at `new_forget_at`, is remembered: every one forgotten by
-/// `now_millis` or unreadable, and, while `most` or more remain, the oldest down to
-/// three quarters of `most`, so that a key at its cap is looked through once per
-/// quarter of it, not on every call. Those of reservations still needed go last:
-/// forgotten, a reservation could no longer be committed (its hold would count until it
-/// expires, and its commit would charge again what its partials paid).
-/// The next look is due a quarter of the ttl after the earliest kept one is forgotten.
-pub fn prune<T>(
-    ids: Vec<(T, Standing)>,
-    new_forget_at: i64,
-    now_millis: i64,
-    ttl_millis: i64,
-    most: usize,
-) -> Pruned<T> {
+/// one more is remembered: every one forgotten by `now_millis` or unreadable, and, while
+/// `most` or more remain, the oldest down to three quarters of `most`, so that a key at
+/// its cap is looked through once per quarter of it, not on every call. Those of
+/// reservations still needed go last: forgotten, a reservation could no longer be
+/// committed (its hold would count until it expires, and its commit would charge again
+/// what its partials paid).
+pub fn prune<T>(ids: Vec<(T, Standing)>, now_millis: i64, most: usize) -> Vec<T> {
     let (mut kept, forget): (Vec<_>, Vec<_>) = ids
         .into_iter()
         .partition(|(_, standing)| standing.forget_at.is_some_and(|at| at > now_millis));
@@ -293,58 +283,51 @@ pub fn prune<T>(
         let excess = kept.len() - most * 3 / 4;
         forget.extend(kept.drain(..excess).map(|(field, _)| field));
     }
-    let earliest = kept
-        .iter()
-        .filter_map(|(_, standing)| standing.forget_at)
-        .chain([new_forget_at])
-        .min()
-        .unwrap_or(new_forget_at);
-    Pruned {
-        forget,
-        prune_at: earliest.saturating_add(ttl_millis / 4),
-    }
+    forget
 }
 
-/// The field that says when a key's ids are next looked through: `ids`, a Unix ms time.
-pub const SUMMARY_FIELD: &[u8] = b"ids";
+/// The field that marks a window's hash as one that remembers ids (so that its calls
+/// without an id keep its expiry for them, and look for stale windows as they go stale
+/// rather than on every write): `ids`, written with the hash's first id.
+pub const MARKER_FIELD: &[u8] = b"ids";
 
 /// The most fields a key holds besides its ids (a bucket's two, a quota's three, a
 /// window's counters and holds), for the cap: a key of more than `ID-MAX` and these
 /// looks through its ids.
 pub const OWN_FIELDS_MOST: usize = 16;
 
-/// What remembering one more id asks of the key's ids.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Upkeep {
-    /// Nothing: the key's `ids` field stays as it is.
-    Nothing,
-    /// The key's first id: its `ids` field, the time of the first look.
-    Start(i64),
-    /// Look through them now (`prune`): it is time, or the key is at its cap.
-    Prune,
+/// A key looks through its ids at least once in this many calls that remember one, on
+/// average.
+pub const LOOK_EVERY_MIN: u64 = 32;
+
+/// Whether remembering one more id in a key of `fields` fields looks through its ids
+/// first: always at the cap; else about one call in `max(LOOK_EVERY_MIN, fields)`, the
+/// calls picked by `pick` ([`pick`]). A look costs about as much as the key has fields, so
+/// on average a call pays a constant for them, reads nothing more than its own id to
+/// decide, and a key holds about as many forgotten ids as remembered ones at the most
+/// (fewer than `LOOK_EVERY_MIN` more while it remembers few).
+pub fn looks_through(fields: usize, pick: u64, most: usize) -> bool {
+    fields > most + OWN_FIELDS_MOST || pick.is_multiple_of(LOOK_EVERY_MIN.max(fields as u64))
 }
 
-/// The upkeep of a key of `fields` fields whose `ids` field says `prune_at`, as one more
-/// id is remembered at `now_millis`.
-pub fn upkeep(
-    prune_at: Option<i64>,
-    fields: usize,
-    now_millis: i64,
-    ttl_millis: i64,
-    most: usize,
-) -> Upkeep {
-    match prune_at {
-        _ if fields > most + OWN_FIELDS_MOST => Upkeep::Prune,
-        None => Upkeep::Start(now_millis + ttl_millis + ttl_millis / 4),
-        Some(at) if at <= now_millis => Upkeep::Prune,
-        Some(_) => Upkeep::Nothing,
-    }
+/// A number that picks, about evenly and independently of how a caller makes its ids,
+/// which calls look through their key's ids: mixed from the id's length, its first and
+/// last eight bytes and the call's time.
+pub fn pick(id: &[u8], now_micros: i64) -> u64 {
+    let word = |bytes: &[u8]| bytes.iter().fold(0u64, |w, &b| w << 8 | u64::from(b));
+    let head = word(&id[..id.len().min(8)]);
+    let tail = word(&id[id.len().saturating_sub(8)..]);
+    let mut x = head ^ tail.rotate_left(29) ^ (id.len() as u64).rotate_right(8) ^ now_micros as u64;
+    // The finaliser of MurmurHash3's 64-bit variant: every input bit moves every output bit.
+    x = (x ^ x >> 33).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x = (x ^ x >> 33).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ x >> 33
 }
 
 /// `ID request-id`'s value, the word ID already read: 1 to MAX_ID_BYTES bytes.
 pub fn parse_id<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<usize, ArgError> {
-    let index = args.string()?;
-    if args.bytes(index).is_empty() || args.bytes(index).len() > MAX_ID_BYTES {
+    let (index, id) = args.string_and_bytes()?;
+    if id.is_empty() || id.len() > MAX_ID_BYTES {
         return Err(ArgError::Text {
             name: "ID",
             rule: "1 to 128 bytes",
@@ -499,20 +482,14 @@ mod tests {
             ("c", at(None)),
             ("d", at(Some(20))),
         ];
-        let pruned = prune(ids.clone(), 40, 15, 100, 8);
-        assert_eq!(pruned.forget, vec!["a", "c"]);
-        // Looked at again a quarter of the ttl after d's time, the earliest kept.
-        assert_eq!(pruned.prune_at, 45);
-        assert_eq!(prune(ids.clone(), 40, 0, 100, 8).forget, vec!["c"]);
+        assert_eq!(prune(ids.clone(), 15, 8), vec!["a", "c"]);
+        assert_eq!(prune(ids.clone(), 0, 8), vec!["c"]);
         // Three kept, at most 3: down to 3/4 of 3 = 2, oldest first.
-        let pruned = prune(ids, 40, 0, 100, 3);
-        assert_eq!(pruned.forget, vec!["c", "a"]);
-        assert_eq!(pruned.prune_at, 20 + 25);
+        assert_eq!(prune(ids, 0, 3), vec!["c", "a"]);
         let none: Vec<(&str, Standing)> = vec![];
-        assert_eq!(prune(none, 40, 0, 100, 3).prune_at, 65);
-        // A stored time at the end of the range (a stray write) saturates.
+        assert!(prune(none, 0, 3).is_empty());
         let far = vec![("f", at(Some(i64::MAX)))];
-        assert_eq!(prune(far, i64::MAX, 0, 100, 3).prune_at, i64::MAX);
+        assert!(prune(far, 0, 3).is_empty());
     }
 
     #[test]
@@ -528,10 +505,10 @@ mod tests {
             ("b", id(30, false)),
             ("c", id(40, false)),
         ];
-        assert_eq!(prune(ids, 50, 0, 100, 4).forget, vec!["a"]);
+        assert_eq!(prune(ids, 0, 4), vec!["a"]);
         // Only reservations: the oldest of them, the cap is the cap.
         let ids = vec![("x", id(20, true)), ("y", id(10, true))];
-        assert_eq!(prune(ids, 50, 0, 100, 2).forget, vec!["y"]);
+        assert_eq!(prune(ids, 0, 2), vec!["y"]);
     }
 
     #[test]
@@ -583,25 +560,45 @@ mod tests {
     }
 
     #[test]
-    fn upkeep_starts_waits_and_prunes() {
-        assert_eq!(upkeep(None, 2, 1_000, 300_000, 10), Upkeep::Start(376_000));
-        assert_eq!(
-            upkeep(Some(376_000), 9, 2_000, 300_000, 10),
-            Upkeep::Nothing
-        );
-        assert_eq!(
-            upkeep(Some(376_000), 9, 376_000, 300_000, 10),
-            Upkeep::Prune
-        );
-        assert_eq!(
-            upkeep(Some(376_000), 10 + OWN_FIELDS_MOST + 1, 2_000, 300_000, 10),
-            Upkeep::Prune,
-            "at the cap"
-        );
-        assert_eq!(
-            upkeep(None, 10 + OWN_FIELDS_MOST + 1, 2_000, 300_000, 10),
-            Upkeep::Prune
-        );
+    fn a_key_looks_through_its_ids_about_once_in_as_many_calls_as_it_has_fields() {
+        let looks = |fields: usize, ids: &dyn Fn(u64) -> Vec<u8>| {
+            (0..64_000u64)
+                .filter(|&i| {
+                    looks_through(
+                        fields,
+                        pick(&ids(i), 1_764_441_000_000_000 + i as i64 / 8),
+                        1000,
+                    )
+                })
+                .count()
+        };
+        // Ids made every way a gateway makes them: counters, a shared prefix, a shared
+        // suffix, random; calls pipelined in the same microsecond.
+        let counter = |i: u64| format!("r{i}").into_bytes();
+        let suffixed = |i: u64| format!("{i:08}-0000-0000-0000-000000000000").into_bytes();
+        let prefixed = |i: u64| format!("gateway-7-request-{i}").into_bytes();
+        let random = |i: u64| pick(&i.to_le_bytes(), 0).to_le_bytes().to_vec();
+        for ids in [
+            &counter as &dyn Fn(u64) -> Vec<u8>,
+            &suffixed,
+            &prefixed,
+            &random,
+        ] {
+            // One in 32 while a key has few fields, one in as many as it has beyond.
+            let small = looks(4, ids);
+            assert!(
+                (1_600..2_400).contains(&small),
+                "{small} of 64,000 at 4 fields"
+            );
+            let large = looks(400, ids);
+            assert!(
+                (110..210).contains(&large),
+                "{large} of 64,000 at 400 fields"
+            );
+        }
+        // At the cap, every call.
+        assert!(looks_through(1000 + OWN_FIELDS_MOST + 1, 1, 1000));
+        assert!(!looks_through(1000 + OWN_FIELDS_MOST, 1, 1000));
     }
 
     proptest! {
@@ -624,14 +621,14 @@ mod tests {
             let alive = |holding: Option<bool>| ats.iter().filter(|(at, h)| at.is_some_and(|at| at > now) && holding.is_none_or(|holding| *h == holding)).count();
             let (all, holding) = (alive(None), alive(Some(true)));
             let ids: Vec<(usize, Standing)> = ats.iter().map(|(forget_at, holding)| Standing { forget_at: *forget_at, holding: *holding }).enumerate().collect();
-            let pruned = prune(ids, now + 100, now, 100, most);
-            let kept = n - pruned.forget.len();
+            let forget = prune(ids, now, most);
+            let kept = n - forget.len();
             prop_assert!(kept <= all);
             prop_assert!(kept < most, "room for the new one within the cap");
             if all < most {
                 prop_assert_eq!(kept, all, "nothing alive is forgotten below the cap");
             }
-            let holding_forgotten = pruned.forget.iter().filter(|i| ats[**i].1 && ats[**i].0.is_some_and(|at| at > now)).count();
+            let holding_forgotten = forget.iter().filter(|i| ats[**i].1 && ats[**i].0.is_some_and(|at| at > now)).count();
             if holding_forgotten > 0 {
                 prop_assert_eq!(kept, holding - holding_forgotten, "open reservations go only when nothing else is left");
             }
