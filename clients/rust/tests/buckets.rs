@@ -27,10 +27,10 @@ fn options(backend: Backend) -> Options {
 }
 
 /// The bucket's own field names and whether the key expires: its form, whatever the
-/// clock. The ids the module remembers for replays (`id:...`, `ids`) are left out.
+/// clock. The ids the module remembers for replays (`id:...`) are left out.
 fn form(con: &mut Connection, key: &str) -> (Vec<String>, bool) {
     let mut fields: Vec<String> = cmd("HKEYS").arg(key).query(con).unwrap();
-    fields.retain(|field| !field.starts_with("id:") && field != "ids");
+    fields.retain(|field| !field.starts_with("id:"));
     fields.sort();
     let ttl: i64 = cmd("PTTL").arg(key).query(con).unwrap();
     (fields, ttl > 0)
