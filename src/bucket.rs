@@ -14,9 +14,9 @@ use crate::replay::{self, Remembered, RequestId};
 use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY};
 
 static TOKENS: FieldName = FieldName::new("tokens");
+static TS: FieldName = FieldName::new("ts");
 /// An unused place in a list of fields to write.
 const NO_FIELD: (RawString, RawString) = (std::ptr::null_mut(), std::ptr::null_mut());
-static TS: FieldName = FieldName::new("ts");
 
 /// Makes the field names; called once when the module loads.
 pub fn init() {

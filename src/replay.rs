@@ -14,8 +14,8 @@ use crate::key::{FieldName, Key, OwnedString, RawString};
 static ID_SECONDS: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_SECONDS);
 static ID_MAX: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_MAX);
 
-/// A window's mark that its hash remembers ids (`replay::MARKER_FIELD`), and its value.
-pub static MARKER: FieldName = FieldName::new("ids");
+/// A window's mark that its hash remembers ids, and its value.
+pub static MARKER: FieldName = FieldName::new(replay::MARKER_FIELD);
 static MARKER_VALUE: FieldName = FieldName::new("1");
 
 thread_local! {

@@ -289,7 +289,7 @@ pub fn prune<T>(ids: Vec<(T, Standing)>, now_millis: i64, most: usize) -> Vec<T>
 /// The field that marks a window's hash as one that remembers ids (so that its calls
 /// without an id keep its expiry for them, and look for stale windows as they go stale
 /// rather than on every write): `ids`, written with the hash's first id.
-pub const MARKER_FIELD: &[u8] = b"ids";
+pub const MARKER_FIELD: &str = "ids";
 
 /// The most fields a key holds besides its ids (a bucket's two, a quota's three, a
 /// window's counters and holds), for the cap: a key of more than `ID-MAX` and these
@@ -311,13 +311,13 @@ pub fn looks_through(fields: usize, pick: u64, most: usize) -> bool {
 }
 
 /// A number that picks, about evenly and independently of how a caller makes its ids,
-/// which calls look through their key's ids: mixed from the id's length, its first and
-/// last eight bytes and the call's time.
-pub fn pick(id: &[u8], now_micros: i64) -> u64 {
+/// which calls look through their key's ids: mixed from the length of the id's field
+/// name, its first and last eight bytes and the call's time (in any unit).
+pub fn pick(id: &[u8], now: i64) -> u64 {
     let word = |bytes: &[u8]| bytes.iter().fold(0u64, |w, &b| w << 8 | u64::from(b));
     let head = word(&id[..id.len().min(8)]);
     let tail = word(&id[id.len().saturating_sub(8)..]);
-    let mut x = head ^ tail.rotate_left(29) ^ (id.len() as u64).rotate_right(8) ^ now_micros as u64;
+    let mut x = head ^ tail.rotate_left(29) ^ (id.len() as u64).rotate_right(8) ^ now as u64;
     // The finaliser of MurmurHash3's 64-bit variant: every input bit moves every output bit.
     x = (x ^ x >> 33).wrapping_mul(0xff51_afd7_ed55_8ccd);
     x = (x ^ x >> 33).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
