@@ -104,15 +104,10 @@ impl<'a> Bucket<'a> {
         let tokens = OwnedString::new(ctx, format_number(&mut text, state.tokens).as_bytes());
         let ts = OwnedString::new(ctx, format_number(&mut text, state.ts).as_bytes());
         // Its own two fields and what the call remembers: one HSET, on the stack.
-        let mut fields = [
-            (TOKENS.raw(), tokens.raw),
-            (TS.raw(), ts.raw),
-            NO_FIELD,
-            NO_FIELD,
-        ];
+        let mut fields = [(TOKENS.raw(), tokens.raw), (TS.raw(), ts.raw), NO_FIELD];
         let mut written = 2;
-        for field in remembered.iter().flat_map(|r| r.fields()) {
-            fields[written] = field;
+        if let Some(r) = remembered {
+            fields[written] = r.field();
             written += 1;
         }
         self.key.set_fields(&fields[..written]);
@@ -135,13 +130,7 @@ impl<'a> Bucket<'a> {
     /// Writes only what the call remembers, for a call that changes no bucket.
     fn remember_only(&mut self, remembered: Option<&Remembered>) {
         if let Some(r) = remembered {
-            let mut fields = [NO_FIELD; 2];
-            let mut written = 0;
-            for field in r.fields() {
-                fields[written] = field;
-                written += 1;
-            }
-            self.key.set_fields(&fields[..written]);
+            self.key.set_fields(&[r.field()]);
             self.key
                 .expire_given(|current, _| current.max(r.keep_until));
         }

@@ -6,6 +6,7 @@
 //! written to it: the module loads with the server's implicit signal on every key
 //! opened for writing turned off, so a refusal or a no-op is not a write.
 
+use std::cell::RefCell;
 use std::ffi::{c_int, CStr};
 use std::ptr;
 use std::sync::OnceLock;
@@ -532,6 +533,12 @@ impl Drop for Key<'_> {
     }
 }
 
+thread_local! {
+    // Where a field name or a value is written before the server copies it: kept from
+    // call to call (commands run on the server's main thread only).
+    static TEXT: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(512));
+}
+
 /// A string the module created, freed when dropped.
 pub struct OwnedString {
     ctx: *mut raw::RedisModuleCtx,
@@ -557,6 +564,12 @@ impl OwnedString {
             ctx: ctx.raw(),
             raw,
         }
+    }
+
+    /// A string of the text `write` writes into a buffer kept from call to call (no
+    /// allocation of the module's own for it).
+    pub fn from_text(ctx: &Ctx, write: impl FnOnce(&mut Vec<u8>) -> &[u8]) -> OwnedString {
+        TEXT.with_borrow_mut(|text| OwnedString::new(ctx, write(text)))
     }
 
     fn adopt(ctx: &Ctx, raw: *mut raw::RedisModuleString) -> Option<OwnedString> {

@@ -9,7 +9,7 @@ use qag_core::quota::{self, Period, QuotaArgs, Usage};
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row, ID_ARG};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
-use crate::replay::{Remembered, RequestId};
+use crate::replay::RequestId;
 use crate::stats::CallCounters;
 
 static PERIOD: FieldName = FieldName::new("period");
@@ -68,10 +68,10 @@ impl<'ctx> Quota<'ctx> {
     fn count(&mut self, ctx: &Ctx, usage: Usage, id: Option<RequestId>, now_millis: i64) -> Reply {
         let reply = Reply::Array([usage.calls, usage.rows, self.period.end].into());
         let remembered = id.map(|id| id.remember(ctx, &mut self.key, &reply, now_millis));
-        let mut fields = [(ptr::null_mut(), ptr::null_mut()); 5];
+        let mut fields = [(ptr::null_mut(), ptr::null_mut()); 4];
         let mut written = 0;
-        for field in remembered.iter().flat_map(Remembered::fields) {
-            fields[written] = field;
+        if let Some(r) = &remembered {
+            fields[written] = r.field();
             written += 1;
         }
         let (mut calls_text, mut rows_text) = (NumberBuffer::new(), NumberBuffer::new());

@@ -1,38 +1,20 @@
 //! Request ids in their keys (`qag_core::replay`): a call given `ID request-id` reads
 //! the reply remembered under it, and, when there is none, remembers its own.
 
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use qag_core::args::ArgList;
 use qag_core::replay::{self, Answer, AnswerRef, Record, Reserved};
 
 use crate::command::{Ctx, RawArgs, Reply, Row};
-use crate::key::{FieldName, Key, OwnedString, RawString};
+use crate::key::{Key, OwnedString, RawString};
 
 /// ID-SECONDS and ID-MAX: set once when the module loads.
 static ID_SECONDS: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_SECONDS);
 static ID_MAX: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_MAX);
 
-/// A window's mark that its hash remembers ids, and its value.
-pub static MARKER: FieldName = FieldName::new(replay::MARKER_FIELD);
-static MARKER_VALUE: FieldName = FieldName::new("1");
-
-thread_local! {
-    // Where a field name or a remembered reply is written before the server copies it:
-    // kept from call to call (commands run on the server's main thread only).
-    static TEXT: RefCell<Vec<u8>> = RefCell::new(Vec::with_capacity(512));
-}
-
-/// A server string of what `write` writes into the kept buffer.
-fn string_of(ctx: &Ctx, write: impl FnOnce(&mut Vec<u8>) -> &[u8]) -> OwnedString {
-    TEXT.with_borrow_mut(|text| OwnedString::new(ctx, write(text)))
-}
-
-/// Makes the field name and keeps the load arguments; called once when the module loads.
+/// Keeps the load arguments; called once when the module loads.
 pub fn init(id_seconds: i64, id_max: i64) {
-    MARKER.create();
-    MARKER_VALUE.create();
     ID_SECONDS.store(id_seconds, Ordering::Relaxed);
     ID_MAX.store(id_max, Ordering::Relaxed);
 }
@@ -51,20 +33,18 @@ pub fn keep_until(now_millis: i64) -> i64 {
     (now_millis + ttl).div_euclid(step) * step + step
 }
 
-/// What a call remembers in its key: the fields to write with the call's own (the id's,
-/// and the window's marker with its first), and how long the key must be kept for them.
+/// What a call remembers in its key: the id's field to write with the call's own, and
+/// how long the key must be kept for it.
 pub struct Remembered {
     id: (OwnedString, OwnedString),
-    marked: bool,
     /// The key's expiry must be no earlier than this.
     pub keep_until: i64,
 }
 
 impl Remembered {
-    /// The fields to write: one or two.
-    pub fn fields(&self) -> impl Iterator<Item = (RawString, RawString)> + '_ {
-        std::iter::once((self.id.0.raw, self.id.1.raw))
-            .chain(self.marked.then(|| (MARKER.raw(), MARKER_VALUE.raw())))
+    /// The field to write (name, value).
+    pub fn field(&self) -> (RawString, RawString) {
+        (self.id.0.raw, self.id.1.raw)
     }
 }
 
@@ -73,8 +53,6 @@ pub struct RequestId {
     field: OwnedString,
     /// Whether this call looks through the key's ids (`replay::pick`).
     pick: u64,
-    /// Whether the window's marker is written with the id (its hash has none yet).
-    pub mark: bool,
     /// The reply remembered under it, when the call is a replay.
     pub remembered: Option<Reply>,
 }
@@ -97,7 +75,7 @@ impl RequestId {
     /// The field of the id at argument `index` of a call of `command`, for a caller that
     /// reads it with fields of its own (then [`RequestId::found`]).
     pub fn field(ctx: &Ctx, command: &str, args: &RawArgs, index: usize) -> OwnedString {
-        string_of(ctx, |text| {
+        OwnedString::from_text(ctx, |text| {
             replay::field_name(text, command, args.get(index))
         })
     }
@@ -112,7 +90,6 @@ impl RequestId {
         RequestId {
             pick: replay::pick(field.bytes(), now_millis),
             field,
-            mark: false,
             remembered,
         }
     }
@@ -148,12 +125,11 @@ impl RequestId {
             key.delete_fields(&forget.iter().map(|name| name.raw).collect::<Vec<_>>());
         }
         let forget_at = (now_millis + ttl_millis()).max(hold.map_or(0, |h| h.until));
-        let record = string_of(ctx, |text| {
+        let record = OwnedString::from_text(ctx, |text| {
             replay::encode(text, forget_at, answer_of(reply), hold)
         });
         Remembered {
             id: (self.field, record),
-            marked: self.mark,
             keep_until: keep_until(now_millis).max(forget_at),
         }
     }
@@ -181,7 +157,7 @@ impl Reservation {
         chain: i64,
         now_millis: i64,
     ) -> Option<Reservation> {
-        let field = string_of(ctx, |text| {
+        let field = OwnedString::from_text(ctx, |text| {
             replay::field_name(text, "admit", args.get(index))
         });
         let [value] = key.hash_get([field.raw]);
@@ -224,7 +200,7 @@ impl Reservation {
             ),
         };
         let answer = self.record.answer.as_ref();
-        let value = string_of(ctx, |text| {
+        let value = OwnedString::from_text(ctx, |text| {
             replay::encode(text, forget_at, answer, Some(hold))
         });
         (self.field, value)

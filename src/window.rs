@@ -12,13 +12,14 @@ use qag_core::window::{self, Clock, Counters, FieldName, Hold, Holds, Kind};
 use qag_core::args::ArgList;
 use qag_core::replay::{self as replay_core, Reserved};
 use redis_module::raw;
+use smallvec::SmallVec;
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
 use crate::key::{Access, FieldName as SharedName, Key, OwnedString, RawString, ValueType};
 use crate::replay::{self, Remembered, RequestId, Reservation};
 use crate::stats::CallCounters;
 
-static HOLDS: SharedName = SharedName::new("holds");
+static HOLDS: SharedName = SharedName::new(window::HOLDS_FIELD);
 
 /// Makes the field name; called once when the module loads.
 pub fn init() {
@@ -93,53 +94,53 @@ impl Fields {
     }
 }
 
-/// Every scope of a call: its key, opened for writing, and what it holds. All keys are
-/// opened, and their types checked, before any is written.
+/// Every scope of a call: its key, opened for writing, and what it holds, and the call's
+/// request id as read from the first. All keys are opened, and their types checked,
+/// before any is written.
 struct Chain<'ctx> {
     keys: Vec<Key<'ctx>>,
     scopes: Vec<Scope>,
     fields: Fields,
+    id: Option<RequestId>,
 }
 
 impl<'ctx> Chain<'ctx> {
+    /// Opens and reads the scopes of `keys`; `id`, the argument of the call's request id
+    /// (of a call of `command`), is read from the first with its other fields.
     fn open(
         ctx: &'ctx Ctx,
         args: &RawArgs,
         keys: impl Iterator<Item = usize>,
         window_seconds: i64,
+        id: Option<(&str, usize)>,
     ) -> Result<Chain<'ctx>, CommandError> {
         let clock = Clock::new(window_seconds, ctx.now_micros());
         let keys = keys
             .map(|index| Key::open(ctx, args.string(index), Access::ReadWrite, ValueType::Hash))
             .collect::<Result<Vec<_>, _>>()?;
         let fields = Fields::new(clock);
-        let scopes = keys.iter().map(|key| Scope::read(key, &fields)).collect();
+        let id_field = id.map(|(command, index)| RequestId::field(ctx, command, args, index));
+        let mut id_value = None;
+        let scopes = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let id = id_field.as_ref().filter(|_| i == 0);
+                Scope::read(key, &fields, id.map(|field| (field.raw, &mut id_value)))
+            })
+            .collect::<Vec<Scope>>();
+        let now = clock.now_micros / 1000;
+        let id = id_field.map(|field| RequestId::found(field, id_value, now));
         Ok(Chain {
             keys,
             scopes,
             fields,
+            id,
         })
     }
 
     fn now_millis(&self) -> i64 {
         self.fields.clock.now_micros / 1000
-    }
-
-    /// The request id of a call of `command`, read from the first scope's key (marked, when
-    /// its first, as one that remembers ids).
-    fn request_id(
-        &self,
-        ctx: &Ctx,
-        command: &str,
-        args: &RawArgs,
-        id: Option<usize>,
-    ) -> Option<RequestId> {
-        let now = self.now_millis();
-        id.map(|index| {
-            let mut id = RequestId::read(ctx, &self.keys[0], command, args, index, now);
-            id.mark = !self.scopes[0].has_ids;
-            id
-        })
     }
 
     /// Sets one current counter of every scope, in order, to `values`, and writes what
@@ -178,14 +179,21 @@ struct Scope {
     holds: Holds,
     holds_changed: bool,
     holds_stale: bool,
-    /// Whether the hash holds reservations or request ids beside its counters.
+    /// Whether the hash holds fields beside the counters read: reservations, request
+    /// ids (a window's hash holds nothing else), or, for a moment, counters of windows
+    /// that no longer count.
     has_extras: bool,
-    /// Whether it remembers request ids.
-    has_ids: bool,
 }
 
 impl Scope {
-    fn read(key: &Key, fields: &Fields) -> Scope {
+    /// Reads a scope from `key`, and, given `id`, the value of that field there into its
+    /// place (a request id's, read with the scope's own fields beside its counters: a
+    /// hash of nothing but counters holds no id).
+    fn read(
+        key: &Key,
+        fields: &Fields,
+        id: Option<(RawString, &mut Option<OwnedString>)>,
+    ) -> Scope {
         let values = key.hash_get([
             fields.requests,
             fields.previous_requests,
@@ -208,14 +216,21 @@ impl Scope {
             holds: Holds::default(),
             holds_changed: false,
             holds_stale: false,
-            has_extras: false,
-            has_ids: false,
+            has_extras: key.len() > counted,
         };
         // Only a hash with more than its counters can hold reservations or ids.
-        if key.len() > counted {
-            let [holds, ids] = key.hash_get([HOLDS.raw(), replay::MARKER.raw()]);
-            scope.has_extras = holds.is_some() || ids.is_some();
-            scope.has_ids = ids.is_some();
+        if scope.has_extras {
+            let holds = match id {
+                Some((id, id_value)) => {
+                    let [holds, value] = key.hash_get([HOLDS.raw(), id]);
+                    *id_value = value;
+                    holds
+                }
+                None => {
+                    let [holds] = key.hash_get([HOLDS.raw()]);
+                    holds
+                }
+            };
             if let Some(holds) = holds {
                 scope.holds = Holds::parse(holds.bytes());
                 // Reservations that stopped counting go with the scope's next write.
@@ -265,7 +280,10 @@ impl Scope {
         let holds_written =
             self.holds_changed || self.holds_stale && (changes || !extra.is_empty());
         let holds = match holds_written {
-            true => Some(self.holds.encode().map(|text| OwnedString::new(ctx, &text))),
+            true => Some(
+                (!self.holds.is_empty())
+                    .then(|| OwnedString::from_text(ctx, |text| self.holds.encode(text))),
+            ),
             false => None,
         };
         // The counter, the holds and what the call remembers: one HSET, on the stack.
@@ -286,18 +304,19 @@ impl Scope {
         key.set_fields(&writes[..n]);
         if let Some(None) = holds {
             // Nothing held any more: the field goes.
-            let name = OwnedString::new(ctx, window::HOLDS_FIELD);
-            key.delete_fields(&[name.raw]);
+            key.delete_fields(&[HOLDS.raw()]);
         }
         let counted = self.counted + usize::from(changes && !had);
-        // A hash that holds more than its counted windows has stale ones, unless it
-        // holds reservations or ids too: then windows are looked for as they go stale,
-        // on a window's first write, not on every write.
-        if changes && key.len() > counted && (!had || !self.has_extras) {
+        // A hash that holds more than its counted windows has stale ones, or holds
+        // reservations or ids: windows are looked for as they go stale, on a window's
+        // first write of a counter (not on every write of a hash that remembers ids).
+        if changes && !had && key.len() > counted {
             let stale = key.hash_fields_where(&|name| window::is_stale(name, &fields.clock));
             key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
         }
-        let keep = match self.has_ids || keep_until > 0 {
+        // A hash with fields beside its counters may remember ids: its expiry is kept
+        // for them (an expiry later than its windows need is not brought back).
+        let keep = match self.has_extras || keep_until > 0 {
             true => replay::keep_until(fields.clock.now_micros / 1000),
             false => 0,
         };
@@ -347,8 +366,9 @@ impl Command for Admit {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_admit(args)?;
         let keys = call.scopes.iter().map(|(key, _)| *key);
-        let mut chain = Chain::open(ctx, args, keys, call.window_seconds)?;
-        let id = chain.request_id(ctx, "admit", args, call.id);
+        let id = call.id.map(|index| ("admit", index));
+        let mut chain = Chain::open(ctx, args, keys, call.window_seconds, id)?;
+        let id = chain.id.take();
         if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
             return Ok(reply);
         }
@@ -372,7 +392,7 @@ impl Command for Admit {
         let now_millis = chain.now_millis();
         let remembered =
             id.map(|id| id.remember_holding(ctx, &mut chain.keys[0], &reply, hold, now_millis));
-        let first: Vec<_> = remembered.iter().flat_map(Remembered::fields).collect();
+        let first = remembered.as_ref().map(Remembered::field);
         let keep_first = remembered.as_ref().map_or(0, |r| r.keep_until);
         if admission.admitted {
             if let Some(hold) = hold {
@@ -384,10 +404,10 @@ impl Command for Admit {
                 .iter()
                 .map(|(_, counters)| counters.requests.saturating_add(1))
                 .collect();
-            chain.write(ctx, Kind::Requests, requests, &first, keep_first);
-        } else if !first.is_empty() {
+            chain.write(ctx, Kind::Requests, requests, first.as_slice(), keep_first);
+        } else if let Some(field) = first {
             // A refusal writes no counter: only the id, kept its time.
-            chain.keys[0].set_fields(&first);
+            chain.keys[0].set_fields(&[field]);
             chain.keys[0].expire_given(|current, _| current.max(keep_first));
         }
         ADMIT.allowed_or_refused(admission.admitted);
@@ -420,12 +440,13 @@ impl Command for Record {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = window::parse_record(args)?;
         let keys = call.keys.iter().copied();
-        let mut chain = Chain::open(ctx, args, keys, call.window_seconds)?;
         // A partial charge is one of many under the reservation's id: never a replay.
-        let id = match call.partial {
-            true => None,
-            false => chain.request_id(ctx, "record", args, call.id),
-        };
+        let id = call
+            .id
+            .filter(|_| !call.partial)
+            .map(|index| ("record", index));
+        let mut chain = Chain::open(ctx, args, keys, call.window_seconds, id)?;
+        let id = chain.id.take();
         if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
             return Ok(reply);
         }
@@ -473,10 +494,10 @@ impl Command for Record {
         });
         let reply = Reply::Integer(chain.keys.len() as i64);
         let remembered = id.map(|id| id.remember(ctx, &mut chain.keys[0], &reply, now_millis));
-        let first: Vec<_> = settled
+        let first: SmallVec<[_; 2]> = settled
             .iter()
             .map(|(field, value)| (field.raw, value.raw))
-            .chain(remembered.iter().flat_map(Remembered::fields))
+            .chain(remembered.as_ref().map(Remembered::field))
             .collect();
         // A partial's record of what was paid is kept as long as that is remembered.
         let keep_first = match (&settled, call.partial) {

@@ -286,11 +286,6 @@ pub fn prune<T>(ids: Vec<(T, Standing)>, now_millis: i64, most: usize) -> Vec<T>
     forget
 }
 
-/// The field that marks a window's hash as one that remembers ids (so that its calls
-/// without an id keep its expiry for them, and look for stale windows as they go stale
-/// rather than on every write): `ids`, written with the hash's first id.
-pub const MARKER_FIELD: &str = "ids";
-
 /// The most fields a key holds besides its ids (a bucket's two, a quota's three, a
 /// window's counters and holds), for the cap: a key of more than `ID-MAX` and these
 /// looks through its ids.

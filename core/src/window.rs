@@ -5,6 +5,7 @@
 
 use crate::args::{set_once, ArgError, ArgList, Args};
 use crate::replay;
+use smallvec::SmallVec;
 
 pub const MAX_SCOPES: i64 = 64;
 pub const DEFAULT_WINDOW_SECONDS: i64 = 60;
@@ -249,7 +250,7 @@ pub fn is_stale(field: &[u8], clock: &Clock) -> bool {
 }
 
 /// The field that holds a scope's open reservations.
-pub const HOLDS_FIELD: &[u8] = b"holds";
+pub const HOLDS_FIELD: &str = "holds";
 
 /// Tokens held until a time (Unix ms): one reservation, or every reservation of a scope
 /// that stops counting then.
@@ -264,38 +265,38 @@ pub struct Hold {
 /// counting together (at the end of the next), and a shorter HOLD is rounded to a
 /// sixteenth of the window, so a scope has a few groups, whatever number of requests
 /// hold tokens: reading and writing them is one field, and a reservation that expires
-/// stops counting to the millisecond without a look through the key.
+/// stops counting to the millisecond without a look through the key. A few groups are
+/// kept without a heap allocation (a scope read and written on every reservation).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Holds(Vec<Hold>);
+pub struct Holds(SmallVec<[Hold; 2]>);
 
 impl Holds {
     /// The groups stored in `bytes`; an unreadable field holds nothing.
     pub fn parse(bytes: &[u8]) -> Holds {
-        let numbers: Option<Vec<i64>> = bytes
-            .split(|&b| b == b' ')
-            .map(crate::args::parse_integer)
-            .collect();
-        let holds = match numbers {
-            Some(n) if n.len() % 2 == 0 => n
-                .chunks(2)
-                .map(|pair| Hold {
-                    tokens: pair[0],
-                    until: pair[1],
-                })
-                .filter(|h| h.tokens > 0)
-                .collect(),
-            _ => Vec::new(),
-        };
+        let mut holds = SmallVec::new();
+        let mut numbers = bytes.split(|&b| b == b' ').map(crate::args::parse_integer);
+        while let Some(tokens) = numbers.next() {
+            match (tokens, numbers.next()) {
+                (Some(tokens), Some(Some(until))) => {
+                    if tokens > 0 {
+                        holds.push(Hold { tokens, until });
+                    }
+                }
+                _ => return Holds::default(),
+            }
+        }
         Holds(holds)
     }
 
-    /// The field's text; None when nothing is held (the field is removed).
-    pub fn encode(&self) -> Option<Vec<u8>> {
-        if self.0.is_empty() {
-            return None;
-        }
+    /// Whether nothing is held (then the field is removed).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The field's text, written into `out` (a buffer the caller keeps).
+    pub fn encode<'a>(&self, out: &'a mut Vec<u8>) -> &'a [u8] {
         let mut digits = itoa::Buffer::new();
-        let mut out = Vec::with_capacity(24 * self.0.len());
+        out.clear();
         for (i, hold) in self.0.iter().enumerate() {
             if i > 0 {
                 out.push(b' ');
@@ -304,7 +305,7 @@ impl Holds {
             out.push(b' ');
             out.extend_from_slice(digits.format(hold.until).as_bytes());
         }
-        Some(out)
+        out
     }
 
     /// Drops the groups that stop counting by `now_millis`; whether any did.
@@ -725,7 +726,8 @@ mod tests {
     #[test]
     fn holds_are_grouped_by_when_they_stop_counting() {
         let mut holds = Holds::default();
-        assert_eq!(holds.encode(), None);
+        let mut text = Vec::new();
+        assert!(holds.is_empty());
         holds.add(Hold {
             tokens: 100,
             until: 9_000,
@@ -738,8 +740,8 @@ mod tests {
             tokens: 7,
             until: 9_000,
         });
-        assert_eq!(holds.encode().unwrap(), b"40 5000 107 9000");
-        assert_eq!(Holds::parse(&holds.encode().unwrap()), holds);
+        assert_eq!(holds.encode(&mut text), b"40 5000 107 9000");
+        assert_eq!(Holds::parse(holds.encode(&mut text)), holds);
         assert_eq!(holds.tokens(), 147);
         assert!(!holds.drop_closed(4_999));
         assert!(holds.drop_closed(5_000));
@@ -753,9 +755,16 @@ mod tests {
             "never below 0; an empty group goes"
         );
         holds.release(1, 5);
-        for bad in [&b"x"[..], b"1", b"1 2 3", b"-5 9", b""] {
+        for bad in [&b"x"[..], b"1", b"1 2 3", b"1 2 x 4", b"-5 9", b"", b"1 2 "] {
             assert_eq!(Holds::parse(bad).tokens(), 0, "{bad:?}");
         }
+        // More groups than are kept inline: every one read, and written back the same.
+        let many: Vec<u8> = (1..=9)
+            .flat_map(|i| format!("{i} {} ", i * 1000).into_bytes())
+            .collect();
+        let many = &many[..many.len() - 1];
+        assert_eq!(Holds::parse(many).tokens(), 45);
+        assert_eq!(Holds::parse(many).encode(&mut text), many);
     }
 
     #[test]
