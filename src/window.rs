@@ -179,10 +179,6 @@ struct Scope {
     holds: Holds,
     holds_changed: bool,
     holds_stale: bool,
-    /// Whether the hash holds fields beside the counters read: reservations, request
-    /// ids (a window's hash holds nothing else), or, for a moment, counters of windows
-    /// that no longer count.
-    has_extras: bool,
 }
 
 impl Scope {
@@ -216,10 +212,11 @@ impl Scope {
             holds: Holds::default(),
             holds_changed: false,
             holds_stale: false,
-            has_extras: key.len() > counted,
         };
-        // Only a hash with more than its counters can hold reservations or ids.
-        if scope.has_extras {
+        // Only a hash with more than its counters can hold reservations or ids (a
+        // window's hash holds nothing else but, for a moment, windows that no longer
+        // count).
+        if key.len() > counted {
             let holds = match id {
                 Some((id, id_value)) => {
                     let [holds, value] = key.hash_get([HOLDS.raw(), id]);
@@ -314,9 +311,10 @@ impl Scope {
             let stale = key.hash_fields_where(&|name| window::is_stale(name, &fields.clock));
             key.delete_fields(&stale.iter().map(|s| s.raw).collect::<Vec<_>>());
         }
-        // A hash with fields beside its counters may remember ids: its expiry is kept
-        // for them (an expiry later than its windows need is not brought back).
-        let keep = match self.has_extras || keep_until > 0 {
+        // A hash with fields beside its counters, as written, may remember ids: its
+        // expiry is kept for them (an expiry later than its windows need is not brought
+        // back).
+        let keep = match key.len() > counted || keep_until > 0 {
             true => replay::keep_until(fields.clock.now_micros / 1000),
             false => 0,
         };

@@ -323,6 +323,23 @@ fn counts_more_than_a_window_ahead_are_dropped_with_their_expiry() {
     assert_eq!(record(&mut con, &[&other], 5, 3600), 1);
     let at: i64 = cmd("PEXPIRETIME").arg(&other).query(&mut con).unwrap();
     assert_eq!(at, (now + 3) * 3_600_000);
+    // Windows shorter than ID-SECONDS: the dropped count was the hash's only other
+    // field, so it is kept for no id, and the expiry comes back with the first write.
+    let short = t.key("far-short");
+    let _: () = cmd("HSET")
+        .arg(&short)
+        .arg("req:99999999999")
+        .arg(5)
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("PEXPIRE")
+        .arg(&short)
+        .arg(10_000_000)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(admit(&mut con, &[(&short, 10, 0)], 2)[0], 1);
+    let ttl: i64 = cmd("PTTL").arg(&short).query(&mut con).unwrap();
+    assert!((0..=6_000).contains(&ttl), "{ttl}");
     let fields: Vec<String> = cmd("HKEYS").arg(&other).query(&mut con).unwrap();
     assert_eq!(fields, [format!("tok:{now}")]);
     t.assert_healthy();
