@@ -157,9 +157,7 @@ impl Reservation {
         chain: i64,
         now_millis: i64,
     ) -> Option<Reservation> {
-        let field = OwnedString::from_text(ctx, |text| {
-            replay::field_name(text, "admit", args.get(index))
-        });
+        let field = RequestId::field(ctx, "admit", args, index);
         let [value] = key.hash_get([field.raw]);
         let record = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)?;
         let reserved = record.hold.filter(|h| h.chain == chain)?;

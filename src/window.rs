@@ -94,26 +94,24 @@ impl Fields {
     }
 }
 
-/// Every scope of a call: its key, opened for writing, and what it holds, and the call's
-/// request id as read from the first. All keys are opened, and their types checked,
-/// before any is written.
+/// Every scope of a call: its key, opened for writing, and what it holds. All keys are
+/// opened, and their types checked, before any is written.
 struct Chain<'ctx> {
     keys: Vec<Key<'ctx>>,
     scopes: Vec<Scope>,
     fields: Fields,
-    id: Option<RequestId>,
 }
 
 impl<'ctx> Chain<'ctx> {
-    /// Opens and reads the scopes of `keys`; `id`, the argument of the call's request id
-    /// (of a call of `command`), is read from the first with its other fields.
+    /// Opens and reads the scopes of `keys`, and the call's request id, `id` (its
+    /// command and argument), from the first with its other fields.
     fn open(
         ctx: &'ctx Ctx,
         args: &RawArgs,
         keys: impl Iterator<Item = usize>,
         window_seconds: i64,
         id: Option<(&str, usize)>,
-    ) -> Result<Chain<'ctx>, CommandError> {
+    ) -> Result<(Chain<'ctx>, Option<RequestId>), CommandError> {
         let clock = Clock::new(window_seconds, ctx.now_micros());
         let keys = keys
             .map(|index| Key::open(ctx, args.string(index), Access::ReadWrite, ValueType::Hash))
@@ -131,12 +129,12 @@ impl<'ctx> Chain<'ctx> {
             .collect::<Vec<Scope>>();
         let now = clock.now_micros / 1000;
         let id = id_field.map(|field| RequestId::found(field, id_value, now));
-        Ok(Chain {
+        let chain = Chain {
             keys,
             scopes,
             fields,
-            id,
-        })
+        };
+        Ok((chain, id))
     }
 
     fn now_millis(&self) -> i64 {
@@ -184,7 +182,8 @@ struct Scope {
 impl Scope {
     /// Reads a scope from `key`, and, given `id`, the value of that field there into its
     /// place (a request id's, read with the scope's own fields beside its counters: a
-    /// hash of nothing but counters holds no id).
+    /// hash of nothing but counters holds no id). An out place, not a returned pair, so
+    /// that the scope is not copied once more on its way into the chain.
     fn read(
         key: &Key,
         fields: &Fields,
@@ -365,8 +364,7 @@ impl Command for Admit {
         let call = window::parse_admit(args)?;
         let keys = call.scopes.iter().map(|(key, _)| *key);
         let id = call.id.map(|index| ("admit", index));
-        let mut chain = Chain::open(ctx, args, keys, call.window_seconds, id)?;
-        let id = chain.id.take();
+        let (mut chain, id) = Chain::open(ctx, args, keys, call.window_seconds, id)?;
         if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
             return Ok(reply);
         }
@@ -443,8 +441,7 @@ impl Command for Record {
             .id
             .filter(|_| !call.partial)
             .map(|index| ("record", index));
-        let mut chain = Chain::open(ctx, args, keys, call.window_seconds, id)?;
-        let id = chain.id.take();
+        let (mut chain, id) = Chain::open(ctx, args, keys, call.window_seconds, id)?;
         if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
             return Ok(reply);
         }
