@@ -6,8 +6,8 @@ not: the same keys, fields and replies as the Rust client (qag-client), so a bud
 never split or doubled. When Redis fails, one policy for every family ("raise",
 "forward" or "local") with a back-off and one probe after it. Decisions, the policy,
 header rendering and local counting are plain code (``decisions``, ``_engine``,
-``_policy``, ``headers``, ``local``, ``naming``); the limiters are the thin layers that
-talk to Redis.
+``_policy``, ``headers``, ``local``, ``naming``); both limiters are one driver
+(``_driver``), performed with blocking calls (``_sync``) or awaits (``_async``).
 """
 
 from ._async import AsyncLease, AsyncLimiter, AsyncReservation

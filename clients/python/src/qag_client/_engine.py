@@ -4,8 +4,8 @@ through ``_policy.Outage``: one place for every family).
 
 A call is a generator (a "flow") that yields requests (a command, or the script on a
 key) and receives their replies, or has the error thrown in, already sorted into this
-package's exceptions. ``Limiter`` runs flows with blocking calls, ``AsyncLimiter``
-with awaits; neither decides anything itself. Clocks are arguments.
+package's exceptions. The driver (``_driver``) runs flows on a node within a call's
+deadline, for both limiters; neither decides anything itself. Clocks are arguments.
 """
 
 from __future__ import annotations

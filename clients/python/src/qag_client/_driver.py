@@ -1,0 +1,936 @@
+"""The limiters, written once: everything ``Limiter`` and ``AsyncLimiter`` (and their
+lease and reservation guards) do around the engine's flows, free of how a round trip is
+made.
+
+Each public call is a "driven" generator: it runs the engine's flows on the node owning
+its keys, within the deadline, and yields an ``Effect`` wherever it must wait on the
+world (a request on a connection, a sleep, a place in the pool, closing connections);
+the blocking limiter performs each with a blocking call, the asyncio one with an await,
+and sends the outcome back in (or throws the error in, a cancellation included). So
+the deadline, the pool's back-pressure, redirections, retries, background releases,
+commits, renewals and probes are decided here, in one place; ``_sync`` and ``_async``
+only perform effects and start background work (a thread, or a task).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from typing import (
+    Any,
+    Callable,
+    Generator,
+    Generic,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Set,
+    Tuple,
+    TypeVar,
+    Union,
+)
+
+import redis.exceptions
+
+from . import decisions as d
+from ._cluster import (
+    MAX_REDIRECTIONS,
+    SLOTS,
+    Shards,
+    admit_keys,
+    check_cross_slot,
+    cross_slot_pair,
+    parse_slots,
+    redirection_of,
+    slot_of,
+    try_again,
+)
+from ._engine import (
+    Attempt,
+    Command,
+    ConnectionDropped,
+    Engine,
+    Flow,
+    HoldState,
+    HoldView,
+    LeaseState,
+    Overtaken,
+    Request,
+    RunScript,
+    T,
+    release_delay,
+    release_gives_up,
+    sort_error,
+)
+from ._script import TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA
+from .naming import Bucket
+
+log = logging.getLogger("qag_client")
+
+DEFAULT_MAX_CONNECTIONS = 100
+# How long a call whose deadline passed while waiting for a connection waits on for the
+# verdict of a holder that is past its own deadline.
+OVERDUE_GRACE = 0.05
+# The wait before a request answered TRYAGAIN (a slot in migration) is sent again.
+TRY_AGAIN_WAIT = 0.01
+
+
+# What a driven call asks of its I/O layer.
+
+
+class Send(NamedTuple):
+    """One request on ``node`` (``asking``: after ASKING, on one connection), its
+    connecting, sending and reading bounded by ``deadline`` (the layer's clock): the
+    reply, or the error the client raised (DeadlinePassed at the deadline)."""
+
+    node: "Node"
+    request: Request
+    asking: bool
+    deadline: float
+
+
+class Sleep(NamedTuple):
+    """A pause; in background work, where the limiter's closing throws Stopped in."""
+
+    seconds: float
+
+
+class Acquire(NamedTuple):
+    """A place in the node's pool for a call ending at ``deadline``, where none is free
+    now: True, or False when none came free by then (or a little later, while a holder
+    is past its own deadline), or as soon as ``still_wanted`` says False."""
+
+    node: "Node"
+    deadline: float
+    still_wanted: Callable[[], bool]
+
+
+class Dropped(NamedTuple):
+    """A connection to the node dropped: the server restarted, most likely, so its other
+    pooled connections are dead too (closed within ``deadline`` where the client library
+    would hand them out unchecked)."""
+
+    node: "Node"
+    deadline: float
+
+
+class Disconnect(NamedTuple):
+    """The node's pooled connections closed (a probe that ran across ``close()``)."""
+
+    node: "Node"
+
+
+Effect = Union[Send, Sleep, Acquire, Dropped, Disconnect]
+# A call of the limiter: yields effects, receives their outcomes, returns its answer.
+Driven = Generator[Effect, Any, T]
+
+
+class DeadlinePassed(TimeoutError):
+    """A round trip that the call's deadline cut short."""
+
+
+class Stopped(BaseException):
+    """Background work stopped: the limiter closed, or the lease left its block. Not an
+    Exception, so no handler of a call's errors takes it for one."""
+
+
+class Background(Protocol):
+    """Background work running (a thread, or a task)."""
+
+    def stop(self, wait: bool) -> None:
+        """Stops it (``wait``: and waits for it to end where that can block)."""
+
+
+class Node:
+    """One server: the limiter's own client for it, the gate to that client's pool, its
+    scripts, and the engine with the server's state (module presence, back-off, local
+    counts)."""
+
+    def __init__(self, name: str, client: Any, gate: Any, engine: Engine) -> None:
+        self.name = name
+        self.client = client
+        self.gate = gate
+        self.engine = engine
+        self.scripts = {
+            "bucket": client.register_script(TOKEN_BUCKET_LUA),
+            "refund": client.register_script(TOKEN_REFUND_LUA),
+        }
+
+    def words(self, request: Request) -> Tuple[Any, ...]:
+        """The request as one command: a script as EVAL of its source, a probe's name
+        as bytes (redis-py has no reply callback for it then: the raw reply)."""
+        if isinstance(request, RunScript):
+            source = self.scripts[request.script].script
+            return ("EVAL", source, 1, request.key, *request.arguments)
+        assert isinstance(request, Command)
+        if request.probe:
+            return (request.words[0].encode(), *request.words[1:])
+        return request.words
+
+
+def probe_time(deadline: float, back_off: float) -> float:
+    """How long the probe after a back-off may take: no request waits for it, so up
+    to the back-off (at most 2 s), and never less than a call's deadline."""
+    return max(deadline, min(back_off, 2.0))
+
+
+def pool_size(client: Any, max_connections: Optional[int]) -> int:
+    """The limiter's pool size: as given, else the client's pool's (redis-py 6 and later
+    default to 100), else 100 (redis-py 5's default of 2^31 is no bound)."""
+    if max_connections is not None:
+        return max_connections
+    pool = getattr(client, "connection_pool", None)
+    size = getattr(pool, "max_connections", None)
+    if isinstance(size, int) and 1 <= size < 1 << 31:
+        return size
+    return DEFAULT_MAX_CONNECTIONS
+
+
+def check_options(deadline: float, max_connections: int) -> None:
+    if not deadline > 0:
+        raise ValueError("deadline must be above 0 seconds")
+    if isinstance(max_connections, bool) or not (
+        isinstance(max_connections, int) and max_connections >= 1
+    ):
+        raise ValueError("max_connections must be an integer of at least 1")
+
+
+def pool_settings(pool: Any, deadline: float, on_connect: Callable[..., Any]) -> Any:
+    """The settings of the limiter's own pool, made from the caller's client's: its
+    address, credentials, TLS and database, but the deadline as connect and socket
+    timeouts, no retries (a retry would outlast the deadline), and ``on_connect`` (which
+    tells the limiter of every new connection: a reconnect may reach a server restarted
+    with or without the module) run where the client's own hook would be."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    settings = dict(pool.connection_kwargs)
+    settings.update(
+        socket_timeout=deadline,
+        socket_connect_timeout=deadline,
+        retry=Retry(NoBackoff(), 0),
+        redis_connect_func=on_connect,
+    )
+    return settings
+
+
+def slots_known(cluster: Any) -> Tuple[List[str], Optional[List[Optional[str]]]]:
+    """A cluster client's start-up and known nodes, and the slot table it already read
+    (if it has one)."""
+    manager = cluster.nodes_manager
+    startup = list(manager.startup_nodes) + list(getattr(manager, "nodes_cache", None) or {})
+    cache = getattr(manager, "slots_cache", None) or {}
+    if len(cache) == 0:
+        return startup, None
+    owners: List[Optional[str]] = [None] * SLOTS
+    for slot, nodes in cache.items():
+        if nodes and 0 <= slot < SLOTS:
+            owners[slot] = nodes[0].name
+    return startup, owners
+
+
+LeaseT = TypeVar("LeaseT")
+ReservationT = TypeVar("ReservationT")
+Scopes = Sequence[Union[d.Scope, Tuple[str, int, int]]]
+
+
+class Driver(Generic[LeaseT, ReservationT]):
+    """What both limiters are, but for the I/O: the options, the nodes, and every call
+    as a driven generator. A limiter names its public calls after these (``take`` is
+    ``_take`` performed), and gives the few things only it can: its clock, its own
+    clients and gates, background work, and its guards."""
+
+    # What the limiter's I/O layer gives: the cluster client class it takes, how it runs
+    # background work, and its guards.
+    _cluster_class: Any
+    _worker: Callable[[Any, Driven[None], str], Background]
+    _lease_guard: Callable[[Any, str, int, int, str], LeaseT]
+    _reservation_guard: Callable[[Any, HoldState], ReservationT]
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        backend: str = "auto",
+        deadline: float = 0.5,
+        on_unavailable: str = "raise",
+        back_off: float = 5.0,
+        local_share: float = 1.0,
+        max_connections: Optional[int] = None,
+        recheck_missing_module: float = 10.0,
+        cross_slot: str = "raise",
+    ) -> None:
+        max_connections = pool_size(client, max_connections)
+        check_options(deadline, max_connections)
+        check_cross_slot(cross_slot)
+        options = (backend, on_unavailable, back_off, local_share, recheck_missing_module)
+        Engine(*options)  # the options checked now, not at the first call
+        self._deadline = deadline
+        self._back_off = back_off
+        self._max_connections = max_connections
+        self._cross_slot = cross_slot
+        self._closed = False
+        self._background: Set[Background] = set()
+        cluster = client if isinstance(client, self._cluster_class) else None
+
+        def make(name: str) -> Node:
+            engine = Engine(*options)
+            base = client if cluster is None else self._node_client(cluster, name)
+            own, gate = self._own_client(base, deadline, max_connections, engine.forget_presence)
+            engine.on_outage = gate.interrupt
+            node = Node(name, own, gate, engine)
+
+            def start_probe() -> None:
+                self._spawn(self._probe(node), f"qag-probe {name}")
+
+            engine.start_probe = start_probe
+            return node
+
+        self._shards: Shards[Node] = Shards(make, cluster is not None)
+        self._startup: List[str] = []
+        if cluster is not None:
+            self._startup, owners = slots_known(cluster)
+            if owners is not None:
+                self._shards.learned(owners, time.monotonic())
+
+    # What only the I/O layer can give.
+
+    def _now(self) -> float:
+        """The clock deadlines are on (monotonic seconds)."""
+        raise NotImplementedError
+
+    def _own_client(
+        self, client: Any, deadline: float, max_connections: int, connected: Callable[[], None]
+    ) -> Tuple[Any, Any]:
+        """The client the limiter talks through to one server, made from ``client``'s
+        settings (``pool_settings``), with a pool of ``max_connections`` of its own, and
+        the gate to that pool. The caller's client is left as it is."""
+        raise NotImplementedError
+
+    def _node_client(self, cluster: Any, name: str) -> Any:
+        """A client for one node of the cluster with the cluster client's settings (not
+        connected: the limiter makes its own pool from it)."""
+        raise NotImplementedError
+
+    def _spawn(self, work: Driven[None], name: str) -> Background:
+        """Runs ``work`` in the background (``_worker``: a thread, or a task of the
+        running loop)."""
+        return self._worker(self, work, name)
+
+    # What the limiter reports.
+
+    @property
+    def counts(self) -> d.Counts:
+        """How calls were answered so far: module, script, local, forwarded, errors."""
+        return self._shards.counts()
+
+    @property
+    def backing_off(self) -> bool:
+        """True while calls keep to the policy (on a cluster: on some node): a back-off
+        runs, or its probe is out."""
+        return self._shards.backing_off()
+
+    @property
+    def counting_locally(self) -> bool:
+        """True while calls are counted in this process ("local", a back-off runs)."""
+        return self._shards.counting_locally()
+
+    @property
+    def local_decisions(self) -> int:
+        """Calls answered locally since the limiter was made."""
+        return self.counts.local
+
+    def _stop_background(self) -> None:
+        """Closing: background work stops, and none starts again."""
+        self._closed = True
+        for work in list(self._background):
+            work.stop(False)
+
+    # The calls.
+
+    def _take(
+        self, bucket: Bucket, cost: int = 1, *, request_id: Optional[str] = None
+    ) -> Driven[d.Decision]:
+        """Takes ``cost`` tokens from the bucket. ``request_id``: the call's id (1 to 128
+        bytes), default a new one: a call whose connection dropped is sent once more
+        with it and counts once."""
+        call = d.BucketCall.on(bucket, cost)
+        rid = d.request_id_of(request_id)
+        return (yield from self._call([call.key], lambda node: node.engine.take(call, rid)))
+
+    def _take_pair(
+        self, client: Bucket, key: Bucket, cost: int = 1, *, request_id: Optional[str] = None
+    ) -> Driven[d.PairDecision]:
+        """Both buckets of a request: the client's, then the key's if the client's
+        allowed (QAG.TAKE2 with the module: one step). On a cluster, buckets in two
+        slots are as ``cross_slot`` says (each call with the same id)."""
+        first, second = d.BucketCall.on(client, cost), d.BucketCall.on(key, cost)
+        rid = d.request_id_of(request_id)
+        if self._shards.topology is not None and slot_of(first.key) != slot_of(second.key):
+            if self._cross_slot == "raise":
+                raise cross_slot_pair(first.key, second.key)
+            client_decision = yield from self._take(client, cost, request_id=rid)
+            if not client_decision.allowed:
+                return d.PairDecision(client_decision, None)
+            key_decision = yield from self._take(key, cost, request_id=rid)
+            if not key_decision.allowed and client_decision.answered_by in ("module", "script"):
+                yield from self._give_back(client, cost, rid)
+            return d.PairDecision(client_decision, key_decision)
+        keys = [first.key, second.key]
+        return (yield from self._call(keys, lambda node: node.engine.take_pair(first, second, rid)))
+
+    def _give_back(self, bucket: Bucket, cost: int, request_id: str) -> Driven[None]:
+        """The client bucket's token of a pair the key bucket refused (two calls)."""
+        try:
+            yield from self._refund(bucket, cost, request_id=request_id)
+        except d.QagError as error:  # counted in errors: the token stays spent
+            log.warning("qag: the token of %s was not given back: %s", bucket.key, error)
+
+    def _peek(self, bucket: Bucket, cost: int = 1) -> Driven[d.Decision]:
+        """What ``take`` would answer, nothing written."""
+        call = d.BucketCall.on(bucket, cost)
+        return (yield from self._call([call.key], lambda node: node.engine.peek(call)))
+
+    def _refund(
+        self, bucket: Bucket, n: int, *, request_id: Optional[str] = None
+    ) -> Driven[d.Refunded]:
+        """Gives ``n`` tokens back (never above the count; a missing bucket stays
+        missing): QAG.REFUND, or lua/token_refund.lua without the module. For a request
+        one limit admitted and a later one refused."""
+        call = d.BucketCall.on(bucket, 1)
+        call.refund_arguments(n)
+        rid = d.request_id_of(request_id)
+        return (yield from self._call([call.key], lambda node: node.engine.refund(call, n, rid)))
+
+    def lease(self, key: str, max_slots: int, ttl_ms: int, lease_id: str) -> LeaseT:
+        """``with limiter.lease(...) as lease:`` (``async with`` for the asyncio
+        limiter) holds a slot for the block (see Lease)."""
+        d.check_lease(key, max_slots, ttl_ms, lease_id)
+        return self._lease_guard(self, key, max_slots, ttl_ms, lease_id)
+
+    def _renew(self, key: str, lease_id: str, ttl_ms: int) -> Driven[bool]:
+        d.check_id(lease_id)
+        d.check_ttl(ttl_ms)
+        return (yield from self._call([key], lambda node: node.engine.renew(key, lease_id, ttl_ms)))
+
+    def _release(self, key: str, lease_id: str) -> Driven[bool]:
+        d.check_id(lease_id)
+        return (yield from self._call([key], lambda node: node.engine.release(key, lease_id)))
+
+    def _leases(self, key: str) -> Driven[int]:
+        return (yield from self._call([key], lambda node: node.engine.leases(key)))
+
+    def _quota_check(self, key: str, quota: d.Quota) -> Driven[d.QuotaDecision]:
+        return (yield from self._call([key], lambda node: node.engine.quota_check(key, quota)))
+
+    def _quota_add(
+        self,
+        key: str,
+        quota: d.Quota,
+        calls: int = 0,
+        rows: int = 0,
+        *,
+        request_id: Optional[str] = None,
+    ) -> Driven[d.QuotaUsage]:
+        d.quota_count_words("QAG.QUOTA.ADD", key, quota, calls, rows)
+        rid = d.request_id_of(request_id)
+        return (
+            yield from self._call(
+                [key],
+                lambda node: node.engine.quota_count("QAG.QUOTA.ADD", key, quota, calls, rows, rid),
+            )
+        )
+
+    def _quota_seed(
+        self, key: str, quota: d.Quota, calls: int = 0, rows: int = 0
+    ) -> Driven[d.QuotaUsage]:
+        return (
+            yield from self._call(
+                [key],
+                lambda node: node.engine.quota_count("QAG.QUOTA.SEED", key, quota, calls, rows),
+            )
+        )
+
+    def _admit(
+        self, scopes: Scopes, window: Optional[int] = None, *, request_id: Optional[str] = None
+    ) -> Driven[d.Admission]:
+        d.admit_words(scopes, window)  # checked before the keys are read
+        rid = d.request_id_of(request_id)
+        keys = admit_keys(scopes)
+        return (yield from self._call(keys, lambda node: node.engine.admit(scopes, window, rid)))
+
+    def _record(
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        window: Optional[int] = None,
+        *,
+        request_id: Optional[str] = None,
+    ) -> Driven[int]:
+        d.record_words(keys, tokens, window)
+        rid = d.request_id_of(request_id)
+        return (
+            yield from self._call(
+                list(keys), lambda node: node.engine.record(keys, tokens, window, rid)
+            )
+        )
+
+    def reserve(
+        self,
+        scopes: Scopes,
+        tokens: int,
+        *,
+        window: Optional[int] = None,
+        hold_ms: Optional[int] = None,
+        request_id: Optional[str] = None,
+    ) -> ReservationT:
+        """``with limiter.reserve(scopes, tokens) as hold:`` (``async with`` for the
+        asyncio limiter) admits the request holding ``tokens`` on every scope's tpm
+        until ``hold.commit(actual)`` (see ``Reservation``)."""
+        d.reserve_words(scopes, window, tokens, hold_ms)
+        rid = d.request_id_of(request_id)
+        chain = [scope if isinstance(scope, d.Scope) else d.Scope(*scope) for scope in scopes]
+        return self._reservation_guard(self, HoldState(chain, window, tokens, hold_ms, rid, 0.0))
+
+    # How a call runs.
+
+    def _call(self, keys: Sequence[str], flow: Callable[[Node], Flow[T]]) -> Driven[T]:
+        """``flow`` on the node owning ``keys``, within the deadline."""
+        node, started = yield from self._node_for(keys)
+        return (yield from self._run(node, flow(node), started))
+
+    def _node_for(self, keys: Sequence[str]) -> Driven[Tuple[Node, float]]:
+        """The node owning the keys' slot (QagCrossSlot across slots), and when the
+        call began: the slot table is read first, within the call's deadline, if the
+        limiter has none yet, and refreshed in the background when due."""
+        shards = self._shards
+        started = self._now()
+        name = shards.owner(keys)
+        if name is None:
+            yield from self._refresh(until=started + self._deadline)
+            name = shards.owner(keys)
+            if name is None:
+                raise d.QagUnavailable("no node of the cluster serves the slot of " + keys[0])
+        if shards.topology is not None and shards.start_refresh(time.monotonic()):
+            self._spawn(self._refresh(background=True), "qag-slots")
+        return shards.node(name), started
+
+    def _refresh(self, background: bool = False, until: Optional[float] = None) -> Driven[None]:
+        """Reads the slot table (``CLUSTER SLOTS``) from the first node that answers,
+        each asked within the deadline (all of them by ``until`` if given)."""
+        shards = self._shards
+        for name in shards.seeds(self._startup):
+            now = self._now()
+            if until is not None and now >= until:
+                break
+            deadline = now + self._deadline if until is None else until
+            slots = Command(("CLUSTER", "SLOTS"), probe=True)
+            try:
+                reply = yield Send(shards.node(name), slots, False, deadline)
+                owners = parse_slots(reply, name)
+            except Exception:  # that node cannot tell: the next one
+                continue
+            shards.learned(owners, time.monotonic())
+            return
+        if background:
+            shards.learned(None, time.monotonic())
+
+    def _run(
+        self,
+        node: Node,
+        flow: Flow[T],
+        started: Optional[float] = None,
+        *,
+        routed: bool = True,
+        limit: Optional[float] = None,
+    ) -> Driven[T]:
+        """Runs a flow within the deadline from ``started`` (``limit``: within that many
+        seconds from now instead): waiting for a connection (QagBusy after it),
+        connecting, and every round trip (QagUnavailable after it) included. A routed
+        call still waiting for a connection when a back-off starts keeps to the policy
+        (background work is not routed: it waits on)."""
+        now = self._now()
+        if limit is not None:
+            deadline = now + limit
+        else:
+            deadline = (now if started is None else started) + self._deadline
+        gated = False
+        try:
+            request = next(flow)
+            engine, generation = node.engine, node.engine.generation if routed else -1
+            gated = node.gate.acquire_now(deadline)
+            if not gated:
+                gated = yield Acquire(node, deadline, lambda: not engine.overtaken(generation))
+            if gated and engine.overtaken(generation):
+                node.gate.release(deadline)
+                gated = False
+            if not gated:
+                flow.throw(Overtaken() if engine.overtaken(generation) else self._busy())
+                raise AssertionError("a flow went on without a connection")
+            while True:
+                if self._now() >= deadline:
+                    request = flow.throw(self._late())
+                    continue
+                try:
+                    reply = yield from self._execute(node, request, deadline)
+                except Exception as error:  # every error is sorted, then thrown in
+                    sorted_error = sort_error(error)
+                    if isinstance(sorted_error, ConnectionDropped):
+                        yield Dropped(node, deadline)
+                    if isinstance(sorted_error, d.QagUnavailable):
+                        self._shards.failed()
+                        if isinstance(error, DeadlinePassed) or self._now() >= deadline:
+                            sorted_error = self._late()
+                    request = flow.throw(sorted_error)
+                else:
+                    request = flow.send(reply)
+        except StopIteration as stop:
+            answer: T = stop.value
+            return answer
+        finally:
+            if gated:
+                node.gate.release(deadline)
+            flow.close()  # a cancelled call frees its probe slot
+
+    def _execute(self, node: Node, request: Request, deadline: float) -> Driven[Any]:
+        """One request on the node; on a cluster, a MOVED or ASK reply is followed (a
+        MOVED one also patches the slot table) and TRYAGAIN tried again, within the
+        deadline."""
+        target, asking, redirections = node, False, 0
+        while True:
+            try:
+                return (yield Send(target, request, asking, deadline))
+            except redis.exceptions.ResponseError as error:
+                if self._shards.topology is None:
+                    raise
+                if try_again(error):
+                    if self._now() + TRY_AGAIN_WAIT >= deadline:
+                        raise
+                    yield Sleep(TRY_AGAIN_WAIT)
+                    continue
+                moved = redirection_of(error)
+                if moved is None:
+                    raise
+                redirections += 1
+                if redirections > MAX_REDIRECTIONS:
+                    raise d.QagUnavailable(
+                        f"still redirected after {MAX_REDIRECTIONS} redirections"
+                    )
+                if not moved.ask:
+                    self._shards.moved(moved.slot, moved.node)
+                target, asking = self._shards.node(moved.node), moved.ask
+
+    def _late(self) -> d.QagUnavailable:
+        return d.QagUnavailable(f"no answer within the deadline of {self._deadline} s")
+
+    def _busy(self) -> d.QagBusy:
+        return d.QagBusy(
+            f"no free connection in the limiter's pool of {self._max_connections} "
+            f"within the deadline of {self._deadline} s"
+        )
+
+    # Background work.
+
+    def _probe(self, node: Node) -> Driven[None]:
+        """The probe after a back-off (``Engine.probe``), in its own time; none after
+        closing, and one that ran across it closes what it connected."""
+        if self._closed:
+            return
+        try:
+            limit = probe_time(self._deadline, self._back_off)
+            yield from self._run(node, node.engine.probe(), routed=False, limit=limit)
+        except d.QagError:  # the probe's outcome is the engine's to keep
+            pass
+        if self._closed:
+            yield Disconnect(node)
+
+    def _release_later(self, key: str, lease_id: str, started: float, ttl_ms: int) -> None:
+        """An acquire may have taken the slot and did not return it: released in the
+        background, retried until it answers 1 or the lease's TTL has passed."""
+        work = self._release_until_done(key, lease_id, started, ttl_ms)
+        self._spawn(work, f"qag-release {lease_id}")
+
+    def _release_until_done(
+        self, key: str, lease_id: str, started: float, ttl_ms: int
+    ) -> Driven[None]:
+        attempt = 0
+        while not self._closed:
+            node: Optional[Node] = None
+            try:
+                node, at = yield from self._node_for([key])
+                flow = node.engine.background_release(key, lease_id)
+                if (yield from self._run(node, flow, at, routed=False)):
+                    return
+            except (d.QagUnavailable, d.QagBusy):
+                if node is not None:
+                    node.engine.background_failed()
+            except d.QagError as error:  # no point in trying again
+                if node is not None:
+                    node.engine.background_failed()
+                log.warning("qag: the lease %s of %s was not released: %s", lease_id, key, error)
+                return
+            if release_gives_up(started, ttl_ms, time.monotonic()):
+                return
+            yield Sleep(release_delay(attempt))
+            attempt += 1
+
+    def _commit_later(self, hold: HoldState, tokens: int, release: bool = False) -> None:
+        """A reservation left without its commit: committed in the background with
+        ``tokens`` under its id (``release``: a reserve that may have held tokens and
+        returned no guard holding them, released after its ADMIT is replayed), untouched
+        by the caller's cancellation, each try within the deadline, retried until Redis
+        answers or the hold has stopped counting by itself."""
+        self._spawn(self._commit_until_done(hold, tokens, release), f"qag-commit {hold.id}")
+
+    def _commit_until_done(self, hold: HoldState, tokens: int, release: bool) -> Driven[None]:
+        attempt = 0
+        while not self._closed:
+            node: Optional[Node] = None
+            try:
+                node, at = yield from self._node_for(hold.keys)
+                flow: Flow[int]
+                if release:
+                    flow = node.engine.background_unreserve(hold, hold.left_ms(time.monotonic()))
+                else:
+                    flow = node.engine.background_commit(hold, tokens)
+                yield from self._run(node, flow, at, routed=False)
+                return
+            except (d.QagUnavailable, d.QagBusy):
+                if node is not None:
+                    node.engine.background_failed()
+            except d.QagModuleRequired:  # Redis restarted without it: nothing is held
+                return
+            except d.QagError as error:  # no point in trying again
+                if node is not None:
+                    node.engine.background_failed()
+                log.warning("qag: the reservation %s was not committed: %s", hold.id, error)
+                return
+            if hold.gives_up(time.monotonic()):
+                return
+            yield Sleep(release_delay(attempt))
+            attempt += 1
+
+
+def _interrupted(error: BaseException) -> bool:
+    """An outage, or the call interrupted (cancelled, KeyboardInterrupt): what it sent
+    may have run. An error reply says it did not."""
+    return isinstance(error, d.QagUnavailable) or not isinstance(error, d.QagError)
+
+
+class LeaseGuard:
+    """What a lease guard (``Lease``, ``AsyncLease``) does, driven: taking the slot,
+    renewing it in the background while held, releasing it."""
+
+    def __init__(
+        self, limiter: Driver[Any, Any], key: str, max_slots: int, ttl_ms: int, lease_id: str
+    ) -> None:
+        self.key = key
+        self.id = lease_id
+        self._limiter = limiter
+        self._max = max_slots
+        self._state = LeaseState(key, lease_id, ttl_ms, time.monotonic())
+        self._renewals: Optional[Background] = None
+        # The node the lease was taken on (set on entering).
+        self._node: Optional[Node] = None
+
+    @property
+    def lost(self) -> bool:
+        return self._state.lost
+
+    @property
+    def last_error(self) -> Optional[d.QagError]:
+        """The last renewal's error, if it failed."""
+        return self._state.last_error
+
+    @property
+    def answered_by(self) -> str:
+        return self._state.answered_by
+
+    def _enter(self) -> Driven[None]:
+        limiter, state = self._limiter, self._state
+        state.confirmed_at = started = time.monotonic()
+        attempt = Attempt()
+        node, at = yield from limiter._node_for([self.key])
+        self._node = node
+        flow = node.engine.lease(self.key, self._max, state.ttl_ms, self.id, attempt)
+        try:
+            grant = yield from limiter._run(node, flow, at)
+        except BaseException as error:
+            if attempt.sent and _interrupted(error):
+                limiter._release_later(self.key, self.id, started, state.ttl_ms)
+            raise
+        if attempt.sent and grant.answered_by != "module":
+            # The LEASE met an outage and the policy answered: it may have run.
+            limiter._release_later(self.key, self.id, started, state.ttl_ms)
+        if not grant.acquired:
+            raise d.QagRefused(grant.live, grant.retry_after, grant.answered_by)
+        state.answered_by = grant.answered_by
+        if state.in_redis:
+            self._renewals = limiter._spawn(self._renewing(), f"qag-lease {self.id}")
+
+    def _release(self) -> Driven[bool]:
+        self._stop_renewals()
+        state, limiter = self._state, self._limiter
+        state.done = True
+        try:
+            node, at = yield from self._guard_node()
+            released = yield from limiter._run(node, node.engine.guard_release(state), at)
+        except d.QagError:
+            self._engine().background_failed()
+            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise
+        if released is None:
+            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise d.QagUnavailable("backing off: the lease is released in the background")
+        return released is True
+
+    def _exit(self) -> Driven[None]:
+        self._stop_renewals()
+        state, limiter = self._state, self._limiter
+        if state.done:
+            return
+        state.done = True
+        try:
+            node, at = yield from self._guard_node()
+            if (yield from limiter._run(node, node.engine.guard_release(state), at)) is None:
+                # A back-off: released in the background, once Redis answers.
+                limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+        except Exception as error:
+            self._engine().background_failed()
+            log.warning(
+                "qag: the lease %s of %s was not released (its TTL frees it): %s",
+                self.id,
+                self.key,
+                error,
+            )
+        except BaseException:
+            if state.in_redis:  # interrupted on the way out: released in the background
+                limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+            raise
+
+    def _guard_node(self) -> Driven[Tuple[Node, float]]:
+        """A lease the policy answered is given back where it was counted; one held in
+        Redis on the node owning its key now."""
+        if self._node is not None and not self._state.in_redis:
+            return self._node, self._limiter._now()
+        return (yield from self._limiter._node_for([self.key]))
+
+    def _engine(self) -> Engine:
+        assert self._node is not None
+        return self._node.engine
+
+    def _stop_renewals(self) -> None:
+        # A renewal in flight may still land; after the release it finds nothing.
+        if self._renewals is not None:
+            self._renewals.stop(True)
+
+    def _renewing(self) -> Driven[None]:
+        state, limiter = self._state, self._limiter
+        while not (state.lost or limiter._closed):
+            yield Sleep(state.interval)
+            sent_at = time.monotonic()
+            try:
+                node, at = yield from limiter._node_for([self.key])
+                renewal = node.engine.renewal(self.key, self.id, state.ttl_ms)
+                held = yield from limiter._run(node, renewal, at, routed=False)
+            except d.QagError as error:
+                self._engine().background_failed()
+                state.renewal_failed(error, time.monotonic())
+            else:
+                state.renewed(held, sent_at)
+            if state.lost:
+                log.warning(
+                    "qag: the lease %s of %s is lost: %s",
+                    self.id,
+                    self.key,
+                    state.last_error or "it was gone",
+                )
+
+
+class ReservationGuard(HoldView):
+    """What a reservation guard (``Reservation``, ``AsyncReservation``) does, driven:
+    the ADMIT ... RESERVE, its charges and its commit, and the commit in the background
+    of one left without."""
+
+    def __init__(self, limiter: Driver[Any, Any], state: HoldState) -> None:
+        self._limiter = limiter
+        self._state = state
+        self._node: Optional[Node] = None
+        # A blocking reservation may be charged from several threads.
+        self._lock = threading.Lock()
+
+    def _enter(self) -> Driven[None]:
+        limiter, state = self._limiter, self._state
+        if state.admission is not None or state.attempt.sent:
+            raise RuntimeError("a reservation is entered once")
+        state.started = time.monotonic()
+        node, at = yield from limiter._node_for(state.keys)
+        self._node = node
+        try:
+            admission = yield from limiter._run(node, node.engine.reserve(state), at)
+        except BaseException as error:
+            if state.attempt.sent and _interrupted(error):
+                limiter._commit_later(state, 0, release=True)
+            raise
+        if state.attempt.sent and admission.answered_by != "module":
+            # The ADMIT met an outage and the policy answered: it may have run.
+            limiter._commit_later(state, 0, release=True)
+        state.admission = admission
+
+    def _charge(self, tokens: int) -> Driven[int]:
+        state = self._state
+        with self._lock:
+            state.open("charge")
+            d.record_words(state.keys, tokens, state.window)
+            state.charged += tokens
+        node = self._guard_node()
+        return (yield from self._limiter._run(node, node.engine.charge(state, tokens))).scopes
+
+    def _commit(self, actual: int) -> Driven[int]:
+        state = self._state
+        with self._lock:
+            state.open("commit")
+            d.record_words(state.keys, actual, state.window)
+            if actual < state.charged:
+                raise ValueError(
+                    f"actual is the whole count, partials included: at least {state.charged}"
+                )
+            state.done = True
+        limiter, node = self._limiter, self._guard_node()
+        try:
+            recorded = yield from limiter._run(node, node.engine.commit(state, actual))
+        except BaseException as error:
+            if state.in_redis and _interrupted(error):
+                limiter._commit_later(state, actual)
+            raise
+        if state.in_redis and recorded.answered_by != "module":
+            limiter._commit_later(state, actual)
+        return recorded.scopes
+
+    def _exit(self) -> None:
+        state = self._state
+        with self._lock:
+            if state.done or state.admission is None:
+                return
+            state.done = True
+        if state.in_redis:  # not committed: what was charged, in the background
+            self._limiter._commit_later(state, state.charged)
+        elif state.admission.admitted and state.answered_by == "local":
+            self._guard_node().engine.release_locally(state)
+
+    def _guard_node(self) -> Node:
+        assert self._node is not None
+        return self._node
+
+
+def named_after(call: Any, flow: Callable[..., Any]) -> None:
+    """Gives a limiter's public call (``call``, which performs the Driver method
+    ``flow``, named as it with a leading underscore) the method's public name,
+    docstring and parameters."""
+    call.__name__ = call.__qualname__ = flow.__name__.lstrip("_")
+    call.__doc__ = flow.__doc__
+    call.__signature__ = inspect.signature(flow).replace(return_annotation=inspect.Signature.empty)
