@@ -15,8 +15,9 @@ use tokio::task::JoinHandle;
 
 use crate::decision::{AnsweredBy, LeaseRefusal, RetryAfter};
 use crate::error::{Error, Failure};
-use crate::limiter::{check, lock, Answer, Instead, Limiter, Path};
+use crate::limiter::{check, Answer, Instead, Limiter, Path};
 use crate::local::share_of;
+use crate::mutex::lock;
 
 /// What [`Limiter::lease`] answers: the slot, or the refusal when every slot is held.
 #[derive(Debug)]

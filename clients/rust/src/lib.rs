@@ -20,6 +20,7 @@ mod ids;
 mod leases;
 mod limiter;
 pub mod local;
+mod mutex;
 pub mod naming;
 mod nodes;
 mod policy;

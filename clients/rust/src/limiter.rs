@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use qag_core::args::ArgError;
@@ -16,6 +16,7 @@ use crate::decision::AnsweredBy;
 use crate::error::{classify, Error, Failure};
 use crate::ids::{check_id, new_request_id};
 use crate::local::LocalState;
+use crate::mutex::lock;
 use crate::nodes::ClusterNodes;
 use crate::policy::{Counts, OnUnavailable, Outage, Route};
 
@@ -224,14 +225,6 @@ pub(crate) fn unix_micros() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_micros() as i64)
-}
-
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The guarded values stay consistent at every await-free step: a panic elsewhere
-    // leaves nothing half-written.
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The probe's turn, given back if the probe's future is dropped before Redis answered.

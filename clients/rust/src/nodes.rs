@@ -18,7 +18,7 @@ use redis::{
 };
 
 use crate::cluster::{routing_key, slot_of, Topology};
-use crate::limiter::lock;
+use crate::mutex::lock;
 
 /// Redirects one call follows before it gives up (a slot moving back and forth).
 const MOST_REDIRECTS: usize = 16;

@@ -8,7 +8,8 @@ use redis::aio::ConnectionLike;
 
 use crate::decision::{AnsweredBy, Quota, QuotaDecision, QuotaUsage};
 use crate::error::Error;
-use crate::limiter::{check, command, lock, unix_micros, Answer, Instead, Limiter};
+use crate::limiter::{check, command, unix_micros, Answer, Instead, Limiter};
+use crate::mutex::lock;
 
 impl Answer for QuotaDecision {
     fn answered_by(&self) -> Option<AnsweredBy> {

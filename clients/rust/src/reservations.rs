@@ -17,7 +17,8 @@ use redis::Cmd;
 
 use crate::decision::{Admission, AnsweredBy, Recorded, Scope};
 use crate::error::{Error, Failure};
-use crate::limiter::{command, lock, unix_micros, Limiter};
+use crate::limiter::{command, unix_micros, Limiter};
+use crate::mutex::lock;
 use crate::windows::{admit_words, as_tokens, clock, record_words, Reserve};
 
 /// A reservation's admission and the hold it keeps until [`Reservation::commit`]. A

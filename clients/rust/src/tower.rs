@@ -35,7 +35,8 @@ use crate::error::Error;
 use crate::headers::Headers;
 use crate::ids::new_request_id;
 use crate::leases::{Lease, LeaseGuard};
-use crate::limiter::{lock, Limiter};
+use crate::limiter::Limiter;
+use crate::mutex::lock;
 use crate::naming::Bucket;
 use crate::policy::LogEvery;
 
