@@ -56,12 +56,9 @@ def test_module_and_script_answer_as_the_raw_command_and_the_script(
             "script",
         )
     for key in ("qag:m", "qag:a", "qag:s", "qag:rm", "qag:rs"):
-        # The script's fields, and the module's calls' ids beside them (docs/replays.md).
-        state = [name for name in raw.hkeys(key) if not name.startswith(b"id:")]
-        assert sorted(state) == [b"tokens", b"ts"], key
+        # The script's fields and nothing else: a take sends no id of the limiter's.
+        assert sorted(raw.hkeys(key)) == [b"tokens", b"ts"], key
         assert raw.pttl(key) > 0, key
-    assert len(raw.hkeys("qag:m")) == 2 + len(COSTS), "an id a take"
-    assert sorted(raw.hkeys("qag:s")) == [b"tokens", b"ts"], "the script takes no ids"
     peeked = module.peek(Bucket("qag:m", COUNT, PERIOD))
     fallback = script.peek(Bucket("qag:m", COUNT, PERIOD))
     assert reply_of(peeked) == reply_of(fallback)
@@ -200,10 +197,8 @@ def test_refunds_give_tokens_back_and_leave_a_missing_bucket_missing(
     by = "module" if with_module else "script"
     missing = Bucket("qag:missing", COUNT, PERIOD)
     assert limiter.refund(missing, 2) == Refunded(COUNT, by)
-    # A missing bucket stays missing: nothing but the module's id of the call is written.
-    fields = raw.hkeys("qag:missing")
-    assert [name for name in fields if not name.startswith(b"id:refund:")] == []
-    assert len(fields) == (1 if with_module else 0)
+    # A missing bucket stays missing: nothing is written (a refund sends no id of its own).
+    assert raw.exists("qag:missing") == 0
     bucket = Bucket("qag:r", COUNT, PERIOD)
     assert limiter.take(bucket, 4).remaining == 1
     assert limiter.refund(bucket, 2) == Refunded(3, by)
@@ -226,3 +221,27 @@ def test_refunds_while_redis_is_down_follow_the_policy(
         return
     assert limiter.take(bucket, 3).answered_by == "local"
     assert limiter.refund(bucket, 1) == Refunded(3, "local")
+
+
+def test_300_takes_through_the_defaults_cost_what_a_plain_bucket_costs(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    """An admission sends no id of the limiter's (issue 37): 300 takes and pairs leave
+    their buckets as 300 plain QAG.TAKEs do, where remembering an id a take made one
+    bucket 16 KB; a caller's id is still remembered."""
+    server = start_server()
+    raw = server.client()
+    limiter = make_limiter(server)
+    plain, through, pair = ("qag:plain", "qag:defaults", "qag:pair")
+    for _ in range(300):
+        raw.execute_command("QAG.TAKE", plain, 1000, 3600)
+        assert limiter.take(Bucket(through, 1000, 3600)).allowed
+        assert limiter.take_pair(Bucket(pair, 1000, 3600), Bucket(through + "2", 1000, 3600))
+    limiter.refund(Bucket(through, 1000, 3600), 1)
+    assert limiter.admit([("qag:window", 0, 0)]).admitted
+    for key in (through, pair, through + "2"):
+        assert sorted(raw.hkeys(key)) == [b"tokens", b"ts"], key
+        assert raw.memory_usage(key) <= 2 * raw.memory_usage(plain), key
+    assert all(not name.startswith(b"id:") for name in raw.hkeys("qag:window"))
+    limiter.take(Bucket(through, 1000, 3600), request_id="gateway-request-1")
+    assert b"id:take:gateway-request-1" in raw.hkeys(through)

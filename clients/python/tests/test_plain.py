@@ -270,9 +270,17 @@ def test_a_dropped_connection_replays_a_call_with_an_id_once() -> None:
     engine = module_engine()
     late, sent = drive(engine.take(call, "r-3"), lambda _, n: QagUnavailable("deadline"))
     assert isinstance(late, QagUnavailable) and len(sent) == 1
-    # The script takes no id: never sent again.
+    # Without an id, an admission is sent again too (the script's take included).
+    engine = module_engine()
+    answer, sent = drive(engine.take(call, None), lambda _, n: dropped if n == 1 else [1, 3, 0])
+    assert answer.remaining == 3
+    assert [request.words for request in sent] == [("QAG.TAKE", "k", 5, "60")] * 2
     engine = module_engine(backend="script")
-    failed, sent = drive(engine.take(call, "r-4"), lambda _, n: dropped)
+    failed, sent = drive(engine.take(call, None), lambda _, n: dropped)
+    assert isinstance(failed, QagUnavailable) and len(sent) == 2
+    # A refund without one is not: twice would give back twice.
+    engine = module_engine()
+    failed, sent = drive(engine.refund(call, 1, None), lambda _, n: dropped)
     assert isinstance(failed, QagUnavailable) and len(sent) == 1
     # A lease neither.
     from qag_client._engine import Attempt
@@ -296,6 +304,11 @@ def test_every_counting_call_ends_with_its_id() -> None:
     assert words(engine.take(call, "i"), [1, 3, 0])[-2:] == ("ID", "i")
     assert words(engine.take_pair(call, call, "i"), [[1, 3, 0], [1, 3, 0]])[-2:] == ("ID", "i")
     assert words(engine.refund(call, 1, "i"), 5)[-2:] == ("ID", "i")
+    # An admission sends only a caller's id: none of the limiter's own.
+    assert words(engine.take(call, None), [1, 3, 0]) == ("QAG.TAKE", "k", 5, "60", "COST", 2)
+    assert "ID" not in words(engine.take_pair(call, call, None), [[1, 3, 0], [1, 3, 0]])
+    assert "ID" not in words(engine.refund(call, 1, None), 5)
+    assert "ID" not in words(engine.admit([("w", 1, 0)], None, None), [1, 0, 0, 0, -1])
     quota = Quota("day", calls=5)
     assert words(engine.quota_count("QAG.QUOTA.ADD", "q", quota, 1, 0, "i"), [1, 0, 9])[-2:] == (
         "ID",

@@ -186,21 +186,25 @@ def bucket_tokens(server: Any, key: str) -> int:
     return math.floor(float(server.client().hget(key, "tokens")))
 
 
-# A dropped reply: the call ran, its reply was lost; the replay counts once.
+# A dropped reply: the call ran, its reply was lost; the replay counts once with an id,
+# and errs stricter without one.
 
 SCOPES = [Scope(ORG, 0, 10_000), Scope(KEY, 100, 5_000)]
-CALLS: Dict[str, Callable[[Any], Any]] = {
-    "QAG.TAKE": lambda limiter: limiter.take(Bucket("qag:b", 10, 3600)),
-    "QAG.TAKE2": lambda limiter: limiter.take_pair(
-        Bucket("qag:c", 10, 3600), Bucket("qag:k", 10, 3600)
+# Each call with an id (None: the limiter's default).
+CALLS: Dict[str, Callable[[Any, Optional[str]], Any]] = {
+    "QAG.TAKE": lambda limiter, rid: limiter.take(Bucket("qag:b", 10, 3600), request_id=rid),
+    "QAG.TAKE2": lambda limiter, rid: limiter.take_pair(
+        Bucket("qag:c", 10, 3600), Bucket("qag:k", 10, 3600), request_id=rid
     ),
-    "QAG.QUOTA.ADD": lambda limiter: limiter.quota_add(
-        "qag:quota:acme", Quota("month"), calls=1, rows=5
+    "QAG.QUOTA.ADD": lambda limiter, rid: limiter.quota_add(
+        "qag:quota:acme", Quota("month"), calls=1, rows=5, request_id=rid
     ),
-    "QAG.ADMIT": lambda limiter: limiter.admit(SCOPES),
-    "QAG.RECORD": lambda limiter: limiter.record([ORG, KEY], 300),
-    "QAG.REFUND": lambda limiter: limiter.refund(Bucket("qag:b", 10, 3600), 2),
+    "QAG.ADMIT": lambda limiter, rid: limiter.admit(SCOPES, request_id=rid),
+    "QAG.RECORD": lambda limiter, rid: limiter.record([ORG, KEY], 300, request_id=rid),
+    "QAG.REFUND": lambda limiter, rid: limiter.refund(Bucket("qag:b", 10, 3600), 2, request_id=rid),
 }
+# What records spend: an id by default.
+SPEND = ("QAG.QUOTA.ADD", "QAG.RECORD")
 
 
 def counted(server: Server, command: str) -> Any:
@@ -229,6 +233,8 @@ EXPECTED = {
     "QAG.RECORD": (300, 300),
     "QAG.REFUND": 9,  # a bucket taken to 7 first
 }
+# An admission without an id that ran and was replayed: charged twice (stricter by one).
+TWICE = {"QAG.TAKE": 8.0, "QAG.TAKE2": (8.0, 8.0), "QAG.ADMIT": (2, 2)}
 
 
 @pytest.mark.parametrize("command", list(CALLS))
@@ -244,7 +250,7 @@ def test_a_lost_reply_is_replayed_with_its_id_and_counts_once(
     if command == "QAG.REFUND":
         limiter.take(Bucket("qag:b", 10, 3600), 3)
     through.lose_reply_of(command)
-    answer = CALLS[command](limiter)
+    answer = CALLS[command](limiter, "gateway-request-7")
     assert through.sent(command) == 2, "sent, then replayed once"
     assert counted(server, command) == EXPECTED[command]
     assert limiter.counts.replays == 1 and limiter.counts.errors == 0
@@ -253,6 +259,37 @@ def test_a_lost_reply_is_replayed_with_its_id_and_counts_once(
         assert answer.allowed and answer.remaining == 9
     if command == "QAG.ADMIT":
         assert answer.admitted and answer.requests_remaining == 99
+
+
+@pytest.mark.parametrize("command", list(CALLS))
+def test_a_lost_reply_without_a_caller_id_never_grants_more(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    relay: Callable[[Server], Relay],
+    command: str,
+) -> None:
+    """The defaults: spend (a quota add, a record) has an id of the limiter's and counts
+    once; an admission has none, and its replay charges again; a refund has none and is
+    never sent again (twice would give back twice)."""
+    server = start_server()
+    through = relay(server)
+    limiter = make_limiter(Through(server, through), deadline=2.0)
+    if command == "QAG.REFUND":
+        limiter.take(Bucket("qag:b", 10, 3600), 3)
+    through.lose_reply_of(command)
+    if command == "QAG.REFUND":
+        with pytest.raises(QagUnavailable):
+            CALLS[command](limiter, None)
+        assert through.sent(command) == 1 and counted(server, command) == EXPECTED[command]
+        return
+    answer = CALLS[command](limiter, None)
+    assert through.sent(command) == 2, "sent, then replayed once"
+    assert limiter.counts.replays == 1 and limiter.counts.errors == 0
+    if command in SPEND:
+        assert counted(server, command) == EXPECTED[command]
+        return
+    assert counted(server, command) == TWICE[command]
+    assert answer.allowed if command != "QAG.ADMIT" else answer.admitted
 
 
 def test_a_lost_reservation_is_replayed_and_holds_once(
@@ -275,13 +312,15 @@ def test_a_lost_reservation_is_replayed_and_holds_once(
     assert limiter.counts.replays == 2
 
 
-def test_a_call_without_an_id_is_never_sent_twice(
+def test_a_call_without_an_id_is_sent_twice_only_if_it_admits(
     start_server: Callable[..., Server],
     make_limiter: Callable[..., Any],
     relay: Callable[[Server], Relay],
 ) -> None:
-    """The script (no ids) and leases: a lost reply is the outage it was, even through
-    a client the caller set up to retry (redis-py's own retries never run)."""
+    """A lease (or a refund) without an id: a lost reply is the outage it was, even
+    through a client the caller set up to retry (redis-py's own retries never run). An
+    admission (the script's take, the module's) is sent once more, and no more: if the
+    first ran, the second charges again."""
     server = start_server()
     through = relay(server)
     retrying = {
@@ -292,22 +331,21 @@ def test_a_call_without_an_id_is_never_sent_twice(
     script.take(Bucket("qag:loaded", 10, 3600))  # the script loaded: EVALSHA runs it
     before = through.sent("EVALSHA")
     through.lose_reply_of("EVALSHA")
-    with pytest.raises(QagUnavailable):
-        script.take(Bucket("qag:s", 10, 3600))
-    assert through.sent("EVALSHA") == before + 1
-    assert bucket_tokens(server, "qag:s") == 9.0
+    assert script.take(Bucket("qag:s", 10, 3600)).remaining == 8
+    assert through.sent("EVALSHA") == before + 2 and script.counts.replays == 1
+    assert bucket_tokens(server, "qag:s") == 8.0
     module = make_limiter(Through(server, through), retrying, back_off=0)
     through.lose_reply_of("QAG.LEASE")
     with pytest.raises(QagUnavailable):
         with module.lease("qag:running:acme", 2, 10_000, "l1"):
             pass
     assert through.sent("QAG.LEASE") == 1
-    # Every counting call is replayed once, and no more: both tries lost.
+    # Both tries lost: sent twice, no more.
     through.lose_reply_of("QAG.TAKE")
     with pytest.raises(QagUnavailable):
         _lose_both(through, lambda: module.take(Bucket("qag:t", 10, 3600)))
     assert through.sent("QAG.TAKE") == 2
-    assert bucket_tokens(server, "qag:t") == 9.0
+    assert bucket_tokens(server, "qag:t") == 8.0
     assert module.counts.replays == 1
 
 
@@ -363,7 +401,7 @@ def test_a_replica_promoted_between_the_call_and_its_replay_answers_the_replay(
 
     limiter = make_limiter(Through(primary, through), deadline=5.0)
     through.lose_reply_of("QAG.TAKE", then=promote)
-    decision = limiter.take(Bucket("qag:b", 10, 3600))
+    decision = limiter.take(Bucket("qag:b", 10, 3600), request_id="gateway-request-9")
     assert decision.allowed and decision.remaining == 9
     assert bucket_tokens(replica, "qag:b") == 9.0
     # And a record, promoted back the other way.
@@ -423,7 +461,7 @@ def test_caller_ids_are_checked_before_anything_is_sent_and_count_once(
     assert limiter.record([ORG], 5, request_id=gateway_id) == 1
     assert limiter.record([ORG], 5, request_id=gateway_id) == 1
     assert tokens(server, ORG) == 5
-    # Default ids: a new one each call.
+    # No id by default: each call counts.
     assert [limiter.take(bucket).remaining for _ in range(3)] == [8, 7, 6]
 
 

@@ -119,10 +119,10 @@ impl BucketCall {
         command
     }
 
-    /// QAG.TAKE with the call's id, its last option.
-    fn take_command(&self, id: &str) -> Cmd {
+    /// QAG.TAKE, with the caller's id as its last option if it has one.
+    fn take_command(&self, id: Option<&str>) -> Cmd {
         let mut command = self.command("QAG.TAKE");
-        command.arg("ID").arg(id);
+        push_id(&mut command, id);
         command
     }
 }
@@ -135,6 +135,13 @@ fn number_text(value: f64) -> String {
     } else {
         // Refused by the parser with the module's message.
         value.to_string()
+    }
+}
+
+/// `ID id`, the last option, when the call has the caller's id.
+fn push_id(command: &mut Cmd, id: Option<&str>) {
+    if let Some(id) = id {
+        command.arg("ID").arg(id);
     }
 }
 
@@ -153,12 +160,15 @@ impl<C> Limiter<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// Takes `cost` tokens from `bucket`.
+    /// Takes `cost` tokens from `bucket`. Sent once more after a dropped connection:
+    /// with the caller's id ([`Limiter::with_id`]) it counts once; without (the
+    /// default: an admission sends no id of the limiter's, which would cost the key
+    /// memory and the server CPU), a first call that ran is charged again, erring
+    /// stricter by one token, never granting more.
     pub async fn take(&self, bucket: &Bucket, cost: u64) -> Result<Decision, Error> {
         let this = &self.for_keys(&[bucket.key()]).await?;
         let call = BucketCall::new(bucket, cost)?;
-        let id = this.call_id();
-        this.run(this.take_remote(&call, &id), |instead| {
+        this.run(this.take_remote(&call, this.request_id()), |instead| {
             Some(match instead {
                 Instead::Forward => call.forwarded(),
                 Instead::Local {
@@ -174,7 +184,7 @@ where
     /// Both buckets of a request: the client's, then, only if it allowed, the key's;
     /// `cost` from each. QAG.TAKE2 where the module is (atomic: both keys must be in one
     /// cluster slot), else the script on the client bucket and, if it allowed, on the key
-    /// bucket (two round trips).
+    /// bucket (two round trips). Replayed as [`Limiter::take`] is.
     pub async fn take_pair(
         &self,
         client: &Bucket,
@@ -200,28 +210,30 @@ where
             .await?;
         let client = BucketCall::new(client, cost)?;
         let key = BucketCall::new(key, cost)?;
-        let id = this.call_id();
-        this.run(this.take_pair_remote(&client, &key, &id), |instead| {
-            Some(match instead {
-                Instead::Forward => PairDecision {
-                    client: client.forwarded(),
-                    key: Some(key.forwarded()),
-                },
-                Instead::Local {
-                    state,
-                    now_micros,
-                    share,
-                } => {
-                    let now = seconds(now_micros);
-                    let buckets = &mut state.buckets;
-                    let client = client.take_locally(buckets, share, now);
-                    let key = client
-                        .allowed
-                        .then(|| key.take_locally(buckets, share, now));
-                    PairDecision { client, key }
-                }
-            })
-        })
+        this.run(
+            this.take_pair_remote(&client, &key, this.request_id()),
+            |instead| {
+                Some(match instead {
+                    Instead::Forward => PairDecision {
+                        client: client.forwarded(),
+                        key: Some(key.forwarded()),
+                    },
+                    Instead::Local {
+                        state,
+                        now_micros,
+                        share,
+                    } => {
+                        let now = seconds(now_micros);
+                        let buckets = &mut state.buckets;
+                        let client = client.take_locally(buckets, share, now);
+                        let key = client
+                            .allowed
+                            .then(|| key.take_locally(buckets, share, now));
+                        PairDecision { client, key }
+                    }
+                })
+            },
+        )
         .await
     }
 
@@ -281,7 +293,9 @@ where
     }
 
     /// Gives `n` tokens back to `bucket`: QAG.REFUND, or `lua/token_refund.lua` without
-    /// the module. For a request that one limit admitted and a later one refused.
+    /// the module. For a request that one limit admitted and a later one refused. Only
+    /// with the caller's id is it sent once more after a dropped connection: twice
+    /// without one would give back twice.
     pub async fn refund(&self, bucket: &Bucket, n: u64) -> Result<Refunded, Error> {
         let this = &self.for_keys(&[bucket.key()]).await?;
         let call = BucketCall::new(bucket, 1)?;
@@ -290,18 +304,17 @@ where
         let count_text = count.to_string();
         let words = ["QAG.REFUND", key, &count_text, &call.period_text, &n_text];
         let args = check(|words| bucket::parse_refund(words), &words)?;
-        let id = this.call_id();
+        let id = this.request_id();
         let remote = async {
             let remaining = if this.path().await? == Path::Module {
                 let mut command = cmd("QAG.REFUND");
-                command
-                    .arg(key)
-                    .arg(count)
-                    .arg(&call.period_text)
-                    .arg(n)
-                    .arg("ID")
-                    .arg(&id);
-                match this.query_replayable::<i64>(&command).await {
+                command.arg(key).arg(count).arg(&call.period_text).arg(n);
+                push_id(&mut command, id);
+                let refunded = match id {
+                    Some(_) => this.query_replayable::<i64>(&command).await,
+                    None => this.query::<i64>(&command).await,
+                };
+                match refunded {
                     Ok(left) => Some((left, AnsweredBy::Module)),
                     Err(failure) => {
                         this.module_failed(failure)?;
@@ -360,7 +373,7 @@ where
         .await
     }
 
-    async fn take_remote(&self, call: &BucketCall, id: &str) -> Result<Decision, Error> {
+    async fn take_remote(&self, call: &BucketCall, id: Option<&str>) -> Result<Decision, Error> {
         if self.path().await? == Path::Module {
             match self
                 .query_replayable::<Vec<i64>>(&call.take_command(id))
@@ -377,7 +390,7 @@ where
         &self,
         client: &BucketCall,
         key: &BucketCall,
-        id: &str,
+        id: Option<&str>,
     ) -> Result<PairDecision, Error> {
         if self.path().await? == Path::Module {
             let mut command = cmd("QAG.TAKE2");
@@ -389,7 +402,7 @@ where
                 .arg(key.count)
                 .arg(&key.period_text);
             push_cost(&mut command, client.cost);
-            command.arg("ID").arg(id);
+            push_id(&mut command, id);
             match self
                 .query_replayable::<(Vec<i64>, Option<Vec<i64>>)>(&command)
                 .await
@@ -447,17 +460,21 @@ where
         call.decision(&verdict.as_reply(), AnsweredBy::Script)
     }
 
+    /// The script's take, sent once more after a dropped connection (an admission:
+    /// stricter by one if the first ran, as the module's without an id).
     async fn take_by_script(&self, call: &BucketCall) -> Result<Decision, Error> {
-        let reply: Vec<i64> = self
-            .shared
-            .script
-            .key(&call.key)
+        let mut invocation = self.shared.script.key(&call.key);
+        invocation
             .arg(call.count)
             .arg(&call.period_text)
-            .arg(call.cost)
-            .invoke_async(&mut self.con.clone())
+            .arg(call.cost);
+        let reply: Vec<i64> = self
+            .replayed(|mut con| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut con).await }
+            })
             .await
-            .map_err(|error| failure_error(classify(&error)))?;
+            .map_err(failure_error)?;
         call.decision(&reply, AnsweredBy::Script)
     }
 }

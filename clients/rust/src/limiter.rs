@@ -328,7 +328,8 @@ where
         self.id.as_deref()
     }
 
-    /// The id a call sends: the caller's, else a new one.
+    /// The id a call that records spend sends (a quota add, a record, a reservation):
+    /// the caller's, else a new one, so that its replay counts once.
     pub(crate) fn call_id(&self) -> String {
         self.id
             .as_deref()
@@ -624,23 +625,40 @@ where
             .map_err(|error| classify(&error))
     }
 
-    /// Sends a command that carries an `ID`, and once more, with that id, when the
-    /// connection dropped before its reply (reset, EOF, broken pipe: whether it ran is
-    /// unknown). The module answers the replay with the first call's reply if it ran, so
-    /// it counts once either way; the caller's deadline bounds both. A command that only
-    /// reads is resent the same way (a restart drops the connection under every call: no
-    /// outage). A timeout is never resent (no time is left), and a write without an id
-    /// never comes here.
+    /// Sends a command, and once more when the connection dropped before its reply
+    /// (reset, EOF, broken pipe: whether it ran is unknown): one that carries an `ID`
+    /// (the module answers the replay with the first call's reply if it ran, so it
+    /// counts once either way), one that only reads (a restart drops the connection
+    /// under every call: no outage), or an admission without an id (a take, a pair, an
+    /// ADMIT: if the first ran, the replay charges again, erring stricter by one, never
+    /// granting more). The caller's deadline bounds both. A timeout is never resent (no
+    /// time is left), and no other write without an id comes here (a refund twice would
+    /// give back twice).
     pub(crate) async fn query_replayable<T: FromRedisValue>(
         &self,
         command: &Cmd,
     ) -> Result<T, Failure> {
-        match command.query_async(&mut self.con.clone()).await {
+        self.replayed(|mut con| async move { command.query_async(&mut con).await })
+            .await
+    }
+
+    /// `send` on a clone of the connection, and once more as
+    /// [`Limiter::query_replayable`] says.
+    pub(crate) async fn replayed<T, F, Fut>(&self, send: F) -> Result<T, Failure>
+    where
+        F: Fn(C) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        match send(self.con.clone()).await {
             // A ConnectionManager reconnects after the failure: the replay waits for
-            // the fresh connection.
+            // the fresh connection, which may reach a server restarted with or without
+            // the module (the next call asks again).
             Err(error) if error.is_connection_dropped() && !error.is_timeout() => {
                 log::debug!(target: "qag_client", "replaying a call after: {error}");
-                self.query(command).await
+                *lock(&self.node.presence) = Presence::Unknown;
+                send(self.con.clone())
+                    .await
+                    .map_err(|error| classify(&error))
             }
             answer => answer.map_err(|error| classify(&error)),
         }

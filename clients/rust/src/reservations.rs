@@ -356,12 +356,17 @@ where
             keys: &keys,
             window,
             id: &id,
-            admit: admit_words(scopes, window, Some(Reserve { tokens, hold: None }), &id),
+            admit: admit_words(
+                scopes,
+                window,
+                Some(Reserve { tokens, hold: None }),
+                Some(&id),
+            ),
             until,
             sent: &sent,
         };
         let admission = limiter
-            .admit_as(scopes, window, Some(reserve), &id, Some(&sent))
+            .admit_as(scopes, window, Some(reserve), Some(&id), Some(&sent))
             .await;
         let admission = match admission {
             Ok(admission) => admission,

@@ -63,9 +63,12 @@ where
 {
     /// Admits a request through every scope of a chain (requests and tokens per
     /// window, default 60 s), charging one request to each when admitted. Module only.
-    /// Replayable: sent with an id, once more after a dropped connection.
+    /// Sent once more after a dropped connection: with the caller's id
+    /// ([`Limiter::with_id`]) it counts once; without (the default: an admission sends
+    /// no id of the limiter's), a first call that ran is charged again, erring stricter
+    /// by one request.
     pub async fn admit(&self, scopes: &[Scope], window: Option<u32>) -> Result<Admission, Error> {
-        self.admit_as(scopes, window, None, &self.call_id(), None)
+        self.admit_as(scopes, window, None, self.request_id(), None)
             .await
     }
 
@@ -76,7 +79,7 @@ where
         scopes: &[Scope],
         window: Option<u32>,
         reserve: Option<Reserve>,
-        id: &str,
+        id: Option<&str>,
         sent: Option<&AtomicBool>,
     ) -> Result<Admission, Error> {
         let this = &self
@@ -214,7 +217,7 @@ pub(crate) fn admit_words(
     scopes: &[Scope],
     window: Option<u32>,
     reserve: Option<Reserve>,
-    id: &str,
+    id: Option<&str>,
 ) -> Vec<String> {
     let mut words = vec!["QAG.ADMIT".to_owned(), scopes.len().to_string()];
     for scope in scopes {
@@ -234,7 +237,9 @@ pub(crate) fn admit_words(
             words.extend(["HOLD".into(), millis.to_string()]);
         }
     }
-    words.extend(["ID".into(), id.to_owned()]);
+    if let Some(id) = id {
+        words.extend(["ID".into(), id.to_owned()]);
+    }
     words
 }
 

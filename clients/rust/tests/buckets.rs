@@ -463,3 +463,46 @@ async fn a_refund_gives_tokens_back_through_module_and_script_alike() {
         ));
     }
 }
+
+/// An admission sends no id of the limiter's (issue 37): 300 takes and pairs leave their
+/// buckets as 300 plain QAG.TAKEs do; a caller's id is still remembered.
+#[tokio::test(flavor = "multi_thread")]
+async fn takes_through_the_defaults_cost_what_a_plain_bucket_costs() {
+    if external("takes_through_the_defaults_cost_what_a_plain_bucket_costs") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut raw = server.client().get_connection().unwrap();
+    let limiter = Limiter::new(manager(&server).await);
+    let (plain, through, pair) = ("qag:plain", "qag:defaults", "qag:pair");
+    let bucket = |key: &str| Bucket::with_key(key, 1000, 3600.0);
+    for _ in 0..300 {
+        let _: Value = cmd("QAG.TAKE")
+            .arg(plain)
+            .arg(1000)
+            .arg(3600)
+            .query(&mut raw)
+            .unwrap();
+        assert!(limiter.take(&bucket(through), 1).await.unwrap().allowed);
+        let (client, key) = (bucket(pair), bucket("qag:defaults2"));
+        let both = limiter.take_pair(&client, &key, 1).await.unwrap();
+        assert!(both.allowed());
+    }
+    limiter.refund(&bucket(through), 1).await.unwrap();
+    let memory = |con: &mut Connection, key: &str| -> i64 {
+        cmd("MEMORY").arg("USAGE").arg(key).query(con).unwrap()
+    };
+    let plain_bytes = memory(&mut raw, plain);
+    for key in [through, pair, "qag:defaults2"] {
+        let mut fields: Vec<String> = cmd("HKEYS").arg(key).query(&mut raw).unwrap();
+        fields.sort();
+        assert_eq!(fields, ["tokens", "ts"], "{key}");
+        assert!(memory(&mut raw, key) <= 2 * plain_bytes, "{key}");
+    }
+    let with_id = limiter.with_id("gateway-request-1").unwrap();
+    with_id.take(&bucket(through), 1).await.unwrap();
+    let fields: Vec<String> = cmd("HKEYS").arg(through).query(&mut raw).unwrap();
+    assert!(fields
+        .iter()
+        .any(|field| field == "id:take:gateway-request-1"));
+}

@@ -145,7 +145,8 @@ fn scope(key: &str, tpm: u64) -> Scope {
 }
 
 /// One call of each counting family through a relay that loses its reply: the client
-/// replays it with its id on a fresh connection and it counts once.
+/// replays it on a fresh connection. With an id (a caller's for an admission, the
+/// limiter's own for spend) it counts once; an admission without one is charged again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_call_whose_reply_is_lost_is_replayed_and_counts_once() {
     if external("a_call_whose_reply_is_lost_is_replayed_and_counts_once") {
@@ -157,6 +158,7 @@ async fn a_call_whose_reply_is_lost_is_replayed_and_counts_once() {
 
     let relay = Relay::new(server.port, "QAG.TAKE", None);
     let limiter = limiter_at(&relay.url(), deadline).await;
+    let limiter = limiter.with_id("gateway-request-1").unwrap();
     let bucket = Bucket::named("key", 10, 3600.0, "acme~take");
     let decision = limiter.take(&bucket, 1).await.unwrap();
     assert_eq!(
@@ -176,8 +178,32 @@ async fn a_call_whose_reply_is_lost_is_replayed_and_counts_once() {
         "one token taken, not two"
     );
 
+    // Without an id (the default for an admission): replayed, and charged again.
+    let relay = Relay::new(server.port, "QAG.TAKE", None);
+    let limiter = limiter_at(&relay.url(), deadline).await;
+    let bucket = Bucket::named("key", 10, 3600.0, "acme~take-no-id");
+    let decision = limiter.take(&bucket, 1).await.unwrap();
+    assert_eq!((decision.allowed, decision.remaining), (true, 8));
+    assert_eq!(command_calls(&mut con, "qag.take"), 4);
+    assert_eq!(
+        tokens(&mut con, bucket.key()),
+        8,
+        "stricter by one, never more"
+    );
+    // A refund without one is never sent twice: twice would give back twice.
+    let relay = Relay::new(server.port, "QAG.REFUND", None);
+    let limiter = limiter_at(&relay.url(), deadline).await;
+    let refunded = limiter.refund(&bucket, 1).await;
+    assert!(
+        matches!(refunded, Err(Error::Unavailable(_))),
+        "{refunded:?}"
+    );
+    assert_eq!(command_calls(&mut con, "qag.refund"), 1);
+    assert_eq!(tokens(&mut con, bucket.key()), 9, "given back once");
+
     let relay = Relay::new(server.port, "QAG.TAKE2", None);
     let limiter = limiter_at(&relay.url(), deadline).await;
+    let limiter = limiter.with_id("gateway-request-2").unwrap();
     let (client, key) = (
         Bucket::named("client", 10, 3600.0, "203.0.113.9"),
         Bucket::named("key", 10, 3600.0, "acme~pair"),
@@ -276,6 +302,7 @@ async fn a_replay_on_a_promoted_replica_counts_once() {
         let calls = marker.to_ascii_lowercase();
         if marker == "QAG.TAKE" {
             let bucket = Bucket::named("key", 10, 3600.0, "acme~promoted");
+            let limiter = limiter.with_id("gateway-request-3").unwrap();
             let decision = limiter.take(&bucket, 1).await.unwrap();
             assert_eq!((decision.allowed, decision.remaining), (true, 9));
             assert_eq!(

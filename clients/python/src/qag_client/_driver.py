@@ -355,11 +355,13 @@ class Driver(Generic[LeaseT, ReservationT]):
     def _take(
         self, bucket: Bucket, cost: int = 1, *, request_id: Optional[str] = None
     ) -> Driven[d.Decision]:
-        """Takes ``cost`` tokens from the bucket. ``request_id``: the call's id (1 to 128
-        bytes), default a new one: a call whose connection dropped is sent once more
-        with it and counts once."""
+        """Takes ``cost`` tokens from the bucket. ``request_id``: the caller's id for the
+        call (1 to 128 bytes; e.g. the gateway's request id, so that its retries of one
+        request count once), none by default. A call whose connection dropped is sent
+        once more either way: with an id it counts once; without, if the first ran, it
+        charges again (stricter by one, never more granted)."""
         call = d.BucketCall.on(bucket, cost)
-        rid = d.request_id_of(request_id)
+        rid = d.caller_id(request_id)
         return (yield from self._call([call.key], lambda node: node.engine.take(call, rid)))
 
     def _take_pair(
@@ -367,9 +369,10 @@ class Driver(Generic[LeaseT, ReservationT]):
     ) -> Driven[d.PairDecision]:
         """Both buckets of a request: the client's, then the key's if the client's
         allowed (QAG.TAKE2 with the module: one step). On a cluster, buckets in two
-        slots are as ``cross_slot`` says (each call with the same id)."""
+        slots are as ``cross_slot`` says (each call with the same id). ``request_id``
+        as for ``take``."""
         first, second = d.BucketCall.on(client, cost), d.BucketCall.on(key, cost)
-        rid = d.request_id_of(request_id)
+        rid = d.caller_id(request_id)
         if self._shards.topology is not None and slot_of(first.key) != slot_of(second.key):
             if self._cross_slot == "raise":
                 raise cross_slot_pair(first.key, second.key)
@@ -383,7 +386,7 @@ class Driver(Generic[LeaseT, ReservationT]):
         keys = [first.key, second.key]
         return (yield from self._call(keys, lambda node: node.engine.take_pair(first, second, rid)))
 
-    def _give_back(self, bucket: Bucket, cost: int, request_id: str) -> Driven[None]:
+    def _give_back(self, bucket: Bucket, cost: int, request_id: Optional[str]) -> Driven[None]:
         """The client bucket's token of a pair the key bucket refused (two calls)."""
         try:
             yield from self._refund(bucket, cost, request_id=request_id)
@@ -400,10 +403,12 @@ class Driver(Generic[LeaseT, ReservationT]):
     ) -> Driven[d.Refunded]:
         """Gives ``n`` tokens back (never above the count; a missing bucket stays
         missing): QAG.REFUND, or lua/token_refund.lua without the module. For a request
-        one limit admitted and a later one refused."""
+        one limit admitted and a later one refused. ``request_id``: the caller's id (it
+        makes the refund replayable: without one, a refund whose connection dropped is
+        not sent again, since twice would give back twice)."""
         call = d.BucketCall.on(bucket, 1)
         call.refund_arguments(n)
-        rid = d.request_id_of(request_id)
+        rid = d.caller_id(request_id)
         return (yield from self._call([call.key], lambda node: node.engine.refund(call, n, rid)))
 
     def lease(self, key: str, max_slots: int, ttl_ms: int, lease_id: str) -> LeaseT:
@@ -458,8 +463,10 @@ class Driver(Generic[LeaseT, ReservationT]):
     def _admit(
         self, scopes: Scopes, window: Optional[int] = None, *, request_id: Optional[str] = None
     ) -> Driven[d.Admission]:
+        """Admits a request on every scope of the chain (QAG.ADMIT). ``request_id`` as
+        for ``take``."""
         d.admit_words(scopes, window)  # checked before the keys are read
-        rid = d.request_id_of(request_id)
+        rid = d.caller_id(request_id)
         keys = admit_keys(scopes)
         return (yield from self._call(keys, lambda node: node.engine.admit(scopes, window, rid)))
 

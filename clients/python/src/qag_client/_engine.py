@@ -390,22 +390,25 @@ class Engine:
         with self._lock:
             self.tally.errors += 1
 
-    def _sent(self, command: Command, replayable: bool) -> Flow[Any]:
-        """A command's reply. One with an id whose connection dropped (its outcome
-        unknown) is sent once more with the same id, on a fresh connection within the
-        same deadline: the module answers a call that ran with its first reply, so it
-        counts once; so is a command that only reads (``replayable`` too). A restarted
-        server drops every pooled connection at once, and redis-py 8's asyncio pool
-        hands them out unchecked: one dropped connection is no outage. The replay's
-        failure is the call's; a write without an id is never sent again."""
+    def _sent(self, request: Request, replayable: bool) -> Flow[Any]:
+        """A request's reply. A ``replayable`` one whose connection dropped (its outcome
+        unknown) is sent once more, on a fresh connection within the same deadline: a
+        command with an id (the module answers a call that ran with its first reply,
+        so it counts once), one that only reads, and an admission without an id (a
+        take, a pair, an ADMIT: if the first ran, the replay charges again, erring
+        stricter by one, never granting more). A restarted server drops every pooled
+        connection at once, and redis-py 8's asyncio pool hands them out unchecked: one
+        dropped connection is no outage. The replay's failure is the call's; any other
+        write without an id (a refund: twice would give back twice) is never sent
+        again."""
         if not replayable:
-            return (yield command)
+            return (yield request)
         try:
-            return (yield command)
+            return (yield request)
         except ConnectionDropped:
             with self._lock:
                 self.tally.replays += 1
-            return (yield command)
+            return (yield request)
 
     # The policy: one place for every family.
 
@@ -551,12 +554,14 @@ class Engine:
 
     # Token buckets.
 
-    def take(self, call: BucketCall, request_id: str) -> Flow[Decision]:
+    def take(self, call: BucketCall, request_id: Optional[str]) -> Flow[Decision]:
         return self._routed(
             self._take(call, request_id), Fallback(call.forwarded, _local_take(call))
         )
 
-    def take_pair(self, client: BucketCall, key: BucketCall, request_id: str) -> Flow[PairDecision]:
+    def take_pair(
+        self, client: BucketCall, key: BucketCall, request_id: Optional[str]
+    ) -> Flow[PairDecision]:
         def forwarded() -> PairDecision:
             return PairDecision(client.forwarded(), key.forwarded())
 
@@ -576,7 +581,7 @@ class Engine:
 
         return self._routed(self._peek(call), Fallback(call.forwarded, local))
 
-    def refund(self, call: BucketCall, n: int, request_id: str) -> Flow[Refunded]:
+    def refund(self, call: BucketCall, n: int, request_id: Optional[str]) -> Flow[Refunded]:
         arguments = call.refund_arguments(n)
 
         def local(state: LocalState, now: float, share: float) -> Refunded:
@@ -589,12 +594,12 @@ class Engine:
         )
 
     def _refund(
-        self, call: BucketCall, arguments: Tuple[Any, ...], request_id: str
+        self, call: BucketCall, arguments: Tuple[Any, ...], request_id: Optional[str]
     ) -> Flow[Refunded]:
         if (yield from self.path()) == "module":
             try:
-                command = Command(("QAG.REFUND", call.key, *arguments, "ID", request_id))
-                reply = yield from self._sent(command, True)
+                command = Command(_with_id(("QAG.REFUND", call.key, *arguments), request_id))
+                reply = yield from self._sent(command, request_id is not None)
                 return call.refunded(reply, "module")
             except UnknownCommand:
                 self._module_failed()
@@ -604,10 +609,10 @@ class Engine:
             raise QagServerError(str(error)) from error
         return call.refunded(reply, "script")
 
-    def _take(self, call: BucketCall, request_id: str) -> Flow[Decision]:
+    def _take(self, call: BucketCall, request_id: Optional[str]) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
-                command = Command(("QAG.TAKE", call.key, *call.arguments(), "ID", request_id))
+                command = Command(_with_id(("QAG.TAKE", call.key, *call.arguments()), request_id))
                 reply = yield from self._sent(command, True)
                 return call.decision(reply, "module")
             except UnknownCommand:
@@ -615,22 +620,12 @@ class Engine:
         return (yield from self._script(call))
 
     def _take_pair(
-        self, client: BucketCall, key: BucketCall, request_id: str
+        self, client: BucketCall, key: BucketCall, request_id: Optional[str]
     ) -> Flow[PairDecision]:
         if (yield from self.path()) == "module":
             try:
-                command = Command(
-                    (
-                        "QAG.TAKE2",
-                        client.key,
-                        client.count,
-                        client.period_text,
-                        key.key,
-                        *key.arguments(),
-                        "ID",
-                        request_id,
-                    )
-                )
+                pair = ("QAG.TAKE2", client.key, client.count, client.period_text, key.key)
+                command = Command(_with_id((*pair, *key.arguments()), request_id))
                 reply = yield from self._sent(command, True)
                 if not isinstance(reply, list) or len(reply) != 2:
                     raise QagServerError(f"a QAG.TAKE2 reply, got {reply!r}")
@@ -662,7 +657,8 @@ class Engine:
 
     def _script(self, call: BucketCall) -> Flow[Decision]:
         try:
-            reply = yield RunScript(call.key, (call.count, call.period_text, call.cost))
+            script = RunScript(call.key, (call.count, call.period_text, call.cost))
+            reply = yield from self._sent(script, True)
         except UnknownCommand as error:
             raise QagServerError(str(error)) from error
         return call.decision(reply, "script")
@@ -671,7 +667,7 @@ class Engine:
         self, words: List[Any], attempt: Optional[Attempt] = None, replayable: bool = False
     ) -> Flow[Any]:
         """A command of a family without a script (``replayable``: it ends with its
-        id, or only reads)."""
+        id, only reads, or admits: see ``_sent``)."""
         if self.backend == "script" or (yield from self.path()) == "script":
             raise QagModuleRequired("the qag module is required and the server does not have it")
         try:
@@ -805,9 +801,9 @@ class Engine:
         self,
         scopes: Sequence[Union[Scope, Tuple[str, int, int]]],
         window: Optional[int],
-        request_id: str,
+        request_id: Optional[str],
     ) -> Flow[Admission]:
-        words = d.admit_words(scopes, window) + ["ID", request_id]
+        words = list(_with_id(d.admit_words(scopes, window), request_id))
         return self._admit(_chain(scopes), window, words, None)
 
     def _admit(
@@ -925,6 +921,11 @@ class Engine:
 
     def _module_only_int(self, words: List[Any]) -> Flow[int]:
         return int((yield from self.module_only(words, replayable=True)))
+
+
+def _with_id(words: Sequence[Any], request_id: Optional[str]) -> Tuple[Any, ...]:
+    """A command's words, with ``ID request_id`` last when the call has an id."""
+    return (*words, "ID", request_id) if request_id is not None else tuple(words)
 
 
 def _chain(scopes: Sequence[Union[Scope, Tuple[str, int, int]]]) -> List[Scope]:

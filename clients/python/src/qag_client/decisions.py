@@ -360,10 +360,20 @@ _REQUEST_IDS = _RequestIds()
 
 
 def request_id_of(given: Optional[str]) -> str:
-    """The id a counting call sends: the caller's (checked: 1 to 128 bytes in UTF-8),
-    else a new one of this process's."""
+    """The id a call that records spend sends (a quota add, a record, a reservation):
+    the caller's (checked: 1 to 128 bytes in UTF-8), else a new one of this process's,
+    so that a replay counts once."""
+    checked = caller_id(given)
+    return _REQUEST_IDS.next() if checked is None else checked
+
+
+def caller_id(given: Optional[str]) -> Optional[str]:
+    """The caller's id, checked (1 to 128 bytes in UTF-8), or None. An admission (a
+    take, a pair, a refund, an ADMIT) sends only the caller's: an id costs the key
+    memory and the server CPU, and what it would save, a replay's second charge, errs
+    stricter by one."""
     if given is None:
-        return _REQUEST_IDS.next()
+        return None
     if not isinstance(given, str) or not 1 <= len(given.encode()) <= REQUEST_ID_MAX_BYTES:
         raise ValueError(f"request_id must be a string of 1 to {REQUEST_ID_MAX_BYTES} bytes")
     return given
