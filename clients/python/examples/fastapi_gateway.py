@@ -4,7 +4,7 @@ key's bucket, its calls quota and its concurrent queries, with the answers of AD
 python clients/python/examples/fastapi_gateway.py --redis redis://127.0.0.1:6379/ \
   --listen 127.0.0.1:8080 [--client-limit 20/1] [--key-limit 60/60] [--max-concurrent 4] \
   [--quota-calls 100000 --quota-per month --quota-tz Europe/Berlin] \
-  [--policy raise|forward|local] [--tpm 100000]
+  [--policy raise|forward|local] [--back-off 5] [--tpm 100000]
 
 GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a body
 streamed in `chunks` pieces over work_ms.
@@ -81,7 +81,11 @@ async def complete(
 def main() -> None:
     args = parse_args()
     # The limiter set-up: a policy for outages, the limits, where address and key come from.
-    limiter = AsyncLimiter(redis.asyncio.Redis.from_url(args.redis), on_unavailable=args.policy)
+    limiter = AsyncLimiter(
+        redis.asyncio.Redis.from_url(args.redis),
+        on_unavailable=args.policy,
+        back_off=args.back_off,
+    )
     app.state.limiter, app.state.tpm = limiter, args.tpm
     quota = None
     if args.quota_calls is not None:
@@ -121,6 +125,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quota-per", choices=("day", "month"), default="month")
     parser.add_argument("--quota-tz", default="UTC")
     parser.add_argument("--policy", choices=("raise", "forward", "local"), default="raise")
+    parser.add_argument("--back-off", type=float, default=5.0, help="seconds Redis is left alone")
     parser.add_argument("--tpm", type=int, default=100_000, help="model tokens a minute a key")
     return parser.parse_args()
 

@@ -255,6 +255,28 @@ def test_an_unavailable_redis_answers_503_under_raise(
     assert "a limit could not be asked" in lines[0]
 
 
+def test_a_stopped_redis_costs_a_request_one_deadline(
+    start_server: Callable[..., Server],
+    start_gateway: Callable[..., Gateway],
+    stop: Callable[[Server], None],
+) -> None:
+    """Issue 34: a request with two buckets, a quota and a slot, each asked of a Redis
+    that no longer answers (SIGSTOP, no back-off: every call goes to Redis), waits one
+    deadline (0.5 s) in all, not one a call: the request's calls share it."""
+    server = start_server()
+    flags = ["--client-limit", "100/1", "--key-limit", "100/3600", "--max-concurrent", "4"]
+    flags += ["--quota-calls", "1000", "--policy", "local", "--back-off", "0"]
+    gateway = start_gateway(server, *flags)
+    assert get(gateway.url("key=acme~d"))[0] == 200
+    stop(server)
+    for _ in range(3):
+        started = time.monotonic()
+        status, _, _ = get(gateway.url("key=acme~d"))
+        took = time.monotonic() - started
+        assert status == 200, "counted locally"
+        assert took < 0.5 + 0.25, took
+
+
 def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) -> None:
     from flask import Flask, Response, request
 

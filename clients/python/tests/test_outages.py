@@ -14,7 +14,7 @@ import signal
 import socket
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
@@ -385,3 +385,112 @@ def test_a_replica_cut_off_from_its_primary_keeps_the_back_off(
     assert {decision.answered_by for decision in decisions} == {"local"}
     # The process's share of 5, once: never a fresh local bucket per back-off.
     assert sum(decision.allowed for decision in decisions) <= 5, len(decisions)
+
+
+def test_a_drained_limit_stays_drained_when_redis_stops(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    stop: Callable[[Server], None],
+) -> None:
+    """Issue 34: a bucket drained in Redis, a lease count at its max and a quota at its
+    limit are not counted locally from fresh once Redis stops answering: local counting
+    begins from Redis's last word, so 100 calls allow only what refilled."""
+    from qag_client import QagRefused
+
+    server = start_server()
+    limiter = make_limiter(server, on_unavailable="local", deadline=DEADLINE, back_off=60.0)
+    bucket = Bucket("qag:ratelimit:key:60/3600:acme~drained", 60, 3600)
+    for _ in range(60):
+        assert limiter.take(bucket).allowed
+    assert not limiter.take(bucket).allowed
+    slots = "qag:running:acme~drained"
+    held = [limiter.lease(slots, 2, 60_000, f"held-{n}") for n in range(2)]
+    for lease in held:
+        lease.__enter__()
+    quota = Quota("month", calls=5)
+    assert limiter.quota_add("qag:quota:acme~drained", quota, calls=5).calls == 5
+    assert not limiter.quota_check("qag:quota:acme~drained", quota).allowed
+    started = time.monotonic()
+    stop(server)
+    decisions = [limiter.take(bucket) for _ in range(100)]
+    refilled = math.ceil((time.monotonic() - started) * 60 / 3600)
+    assert sum(decision.answered_by == "local" for decision in decisions) >= 99
+    assert sum(decision.allowed for decision in decisions) <= refilled
+    with pytest.raises(QagRefused) as refused:
+        limiter.lease(slots, 2, 60_000, "new").__enter__()
+    assert refused.value.answered_by == "local"
+    check = limiter.quota_check("qag:quota:acme~drained", quota)
+    assert (check.allowed, check.answered_by) == (False, "local")
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[None]:
+    """Both cores of the machine kept busy by processes of their own (as a loaded
+    gateway host is), stopped when the test ends however it ends."""
+    import subprocess
+    import sys
+
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_gateways_own_load_is_no_outage(
+    start_server: Callable[..., Server], busy_cores: None, kind: str
+) -> None:
+    """Issue 34: 1,000 concurrent pairs on a machine whose cores are busy, the default
+    deadline and pool, a healthy server: the calls that waited on this process (its
+    pool, its event loop, its threads) past their deadline are QagBusy, never an outage
+    answered locally, and nothing allows more than the key bucket's 60."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qag_client import Limiter
+
+    server = start_server()
+    count, period = 60, 3600
+    key = Bucket("qag:ratelimit:key:60/3600:acme~loaded", count, period)
+
+    def client(n: int) -> Bucket:
+        return Bucket(f"qag:ratelimit:client:100000/1:10.1.{n % 250}.1", 100_000, 1)
+
+    started = time.monotonic()
+    if kind == "async":
+
+        async def scenario() -> Tuple[List[Any], Any, bool]:
+            limiter = AsyncLimiter(server.async_client(), on_unavailable="local")
+            calls = (limiter.take_pair(client(n), key) for n in range(1000))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            counts, backing_off = limiter.counts, limiter.backing_off
+            await limiter.aclose()
+            return results, counts, backing_off
+
+        results, counts, backing_off = asyncio.run(scenario())
+    else:
+        limiter = Limiter(server.client(), on_unavailable="local")
+
+        def call(n: int) -> Any:
+            try:
+                return limiter.take_pair(client(n), key)
+            except QagBusy as busy:
+                return busy
+
+        with ThreadPoolExecutor(200) as pool:
+            results = list(pool.map(call, range(1000)))
+        counts, backing_off = limiter.counts, limiter.backing_off
+        limiter.close()
+    elapsed = time.monotonic() - started
+    errors = [result for result in results if isinstance(result, BaseException)]
+    assert all(isinstance(error, QagBusy) for error in errors), errors[:3]
+    assert (counts.local, counts.forwarded, backing_off) == (0, 0, False), (counts, errors[:3])
+    pairs = [result for result in results if not isinstance(result, BaseException)]
+    allowed = sum(1 for pair in pairs if pair.key is not None and pair.key.allowed)
+    assert allowed <= count + math.ceil(elapsed * count / period)
+    print(f"{kind}: {len(pairs)} answered by Redis, {len(errors)} QagBusy in {elapsed:.2f} s")

@@ -120,17 +120,27 @@ def test_one_probe_after_a_back_off_and_only_the_probe_ends_it() -> None:
     assert outage.route(0.0) is Route.REDIS
     old = outage.generation  # a call sent before the outage
     outage.failed(False, 1.0, "refused")
-    assert outage.backing_off(1.0) and outage.route(5.9) is Route.POLICY
+    # The first probe is due soon: a restart measured in milliseconds costs 0.1 s.
+    assert outage.backing_off(1.0) and outage.route(1.09) is Route.POLICY
     assert not outage.answered(False, old), "a call sent before it does not end it"
-    assert outage.route(6.0) is Route.PROBE
-    assert outage.route(6.0) is Route.POLICY, "the others keep to the policy meanwhile"
+    outage.failed(False, 1.05, "refused")  # another call sent before it: nothing moves
+    assert outage.route(1.1) is Route.PROBE
+    assert outage.route(1.1) is Route.POLICY, "the others keep to the policy meanwhile"
     assert outage.backing_off(60.0)
-    outage.failed(True, 7.0, "timeout")  # the probe failed: a new back-off
-    assert outage.route(11.9) is Route.POLICY and outage.route(12.0) is Route.PROBE
+    # Each failed probe doubles the wait before the next, up to back_off.
+    at = 1.2
+    for wait in (0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0):
+        outage.failed(True, at, "timeout")
+        assert outage.route(at + wait - 0.01) is Route.POLICY
+        assert outage.route(at + wait) is Route.PROBE, wait
+        at += wait
     outage.abandoned(True)  # cancelled: the next call probes
-    assert outage.route(12.0) is Route.PROBE
+    assert outage.route(at) is Route.PROBE
     assert outage.answered(True, outage.generation), "the probe answered: local state dropped"
-    assert outage.route(12.0) is Route.REDIS and not outage.backing_off(12.0)
+    assert outage.route(at) is Route.REDIS and not outage.backing_off(at)
+    # A new outage starts from the first probe's wait again.
+    outage.failed(False, 100.0, "refused")
+    assert outage.route(100.1) is Route.PROBE
 
     never = Outage(0.0)
     generation = never.generation
@@ -184,15 +194,15 @@ def test_local_leases_quotas_and_windows_count_this_processs_share() -> None:
         7,
     )
     state = LocalState()
-    grants = [state.leases.acquire("k", f"q{n}", share_of(4, 0.5)) for n in range(3)]
+    grants = [state.leases.acquire("k", f"q{n}", 4, 0.5, 100.0) for n in range(3)]
     assert [(g.acquired, g.live, g.retry_after) for g in grants] == [
         (True, 1, 0),
         (True, 2, 0),
         (False, 2, 1),
     ]
-    assert state.leases.acquire("k", "q1", 2).acquired, "a retried id counts once"
+    assert state.leases.acquire("k", "q1", 4, 0.5, 100.0).acquired, "a retried id counts once"
     assert state.leases.release("k", "q0") and not state.leases.release("k", "q0")
-    assert state.leases.live("k") == 1
+    assert state.leases.live("k", 0.5, 100.0) == 1
 
     now = 1_800_000_000.0
     state.quotas.saw("qag:q", 90, None, int(now) + 3600)  # 90 of 100 calls used
@@ -219,7 +229,7 @@ def test_local_leases_quotas_and_windows_count_this_processs_share() -> None:
     refused = state.windows.admit(scopes, 60, 1230.0, 0.5)
     assert (refused.refused_by, refused.retry_after, refused.requests_remaining) == (1, 30, 0)
     assert state.windows.admit(scopes, 60, 1260.0, 0.5).admitted, "the next window"
-    assert state.windows.record(["org", "key"], 60, 60, 1261.0) == 2
+    assert state.windows.record(["org", "key"], 60, 60, 1261.0, 0.5) == 2
     full = state.windows.admit(scopes, 60, 1262.0, 0.5)
     assert not full.admitted and full.tokens_remaining == 0
 
@@ -391,7 +401,7 @@ def test_local_windows_hold_reservations_until_released_or_their_time() -> None:
     assert not reserve("c", 1), "the key's 300 are held"
     assert windows.admit(scopes, 60, now, 1.0).tokens_remaining == 0
     windows.release(["org", "key"], "a", 50)  # a partial charge: the hold shrinks
-    windows.record(["org", "key"], 50, 60, now)  # and the charge counts
+    windows.record(["org", "key"], 50, 60, now, 1.0)  # and the charge counts
     assert not reserve("c", 1), "150 held and 50 counted beside 100"
     windows.release(["org", "key"], "b")  # a commit ends its hold
     assert reserve("c", 100)
@@ -399,3 +409,44 @@ def test_local_windows_hold_reservations_until_released_or_their_time() -> None:
     assert not reserve("d", 1)
     # Past its time a hold stops counting by itself.
     assert windows.admit(scopes, 60, now + 121, 1.0).tokens_remaining == 300
+
+
+def test_local_counting_begins_from_what_redis_last_said() -> None:
+    """A bucket, a lease count and a window drained in Redis are not counted from fresh
+    the moment Redis stops answering (issue 34): each begins from Redis's last word,
+    this process's share of it, refilled by the clock from then; a key never seen
+    starts fresh."""
+    from qag_client import Admission, Scope
+    from qag_client.local import LocalState
+
+    state = LocalState()
+    now = 1_800_000_000.0
+    # 60 of 60 taken: Redis said 0 left. A minute later 1 token has refilled (60/hour).
+    state.buckets.saw("qag:b", 60, 3600, 0, now)
+    allowed = [state.buckets.take("qag:b", 60, 3600, 1, now + 60)[0] for _ in range(5)]
+    assert allowed == [1, 0, 0, 0, 0]
+    assert state.buckets.take("qag:fresh", 60, 3600, 1, now)[1] == 59, "never seen: full"
+    # Half the fleet's share: half of what was left.
+    state.buckets.saw("qag:half", 60, 3600, 20, now)
+    assert state.buckets.take("qag:half", 30, 3600, 1, now) == [1, 9, 0]
+    # Counting here ends when Redis answers again; its last word stays.
+    state.clear()
+    assert state.buckets.peek("qag:b", 60, 3600, 1, now + 60)[0] == 1
+    # Leases: 4 of 4 live, each for 30 s at most.
+    state.leases.saw("qag:running:k", 4, 30_000, now)
+    assert not state.leases.acquire("qag:running:k", "new", 4, 1.0, now + 1).acquired
+    assert state.leases.live("qag:running:k", 1.0, now + 1) == 4
+    assert state.leases.acquire("qag:running:k", "new", 4, 1.0, now + 30).acquired, "run out"
+    # A window: the chain had 3 requests and 0 tokens left of rpm 10 / tpm 1000.
+    scopes = [Scope("org", 10, 1000)]
+    said = Admission(True, None, 0, 3, 0, "module")
+    state.windows.saw(scopes, 60, now, said)
+    assert not state.windows.admit(scopes, 60, now + 1, 1.0).admitted, "no tokens left"
+    state.windows.clear()
+    state.windows.saw([Scope("org", 10, 0)], 60, now, Admission(True, None, 0, 3, None, "module"))
+    admitted = [
+        state.windows.admit([Scope("org", 10, 0)], 60, now + 1, 1.0).admitted for _ in range(5)
+    ]
+    assert admitted == [True, True, True, False, False]
+    # The next window begins from nothing.
+    assert state.windows.admit([Scope("org", 10, 0)], 60, now + 60, 1.0).admitted

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Coroutine, Deque, List, Tuple
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Deque, Dict, List, Optional, Tuple
 
 import redis.asyncio
 import redis.exceptions
@@ -23,7 +24,9 @@ from ._driver import (
     Effect,
     LeaseGuard,
     Node,
+    NotSent,
     OVERDUE_GRACE,
+    RoundTrip,
     ReservationGuard,
     Send,
     Sleep,
@@ -36,6 +39,31 @@ if TYPE_CHECKING:
     from typing import Concatenate, ParamSpec
 
     P = ParamSpec("P")
+
+# The running round trip (per task: its context is copied into the task that sends).
+_ROUND_TRIP: ContextVar[Optional[RoundTrip]] = ContextVar("qag_async_round_trip", default=None)
+_TRACKED: Dict[type, type] = {}
+# Turns of the event loop a round trip is given after its deadline for an answer already
+# on its way (read from the socket, parsed): a busy loop's delay, not the server's.
+LATE_TURNS = 3
+
+
+def _tracked(connection_class: type) -> type:
+    """``connection_class`` that marks the running round trip written when it sends."""
+    if connection_class in _TRACKED:
+        return _TRACKED[connection_class]
+    base: Any = connection_class
+
+    class Tracked(base):  # type: ignore[misc]
+        async def send_packed_command(self, *args: Any, **kwargs: Any) -> Any:
+            round_trip = _ROUND_TRIP.get()
+            if round_trip is not None:
+                round_trip.write(asyncio.get_running_loop().time())
+            return await super().send_packed_command(*args, **kwargs)
+
+    Tracked.__name__ = Tracked.__qualname__ = f"Tracked{connection_class.__name__}"
+    _TRACKED[connection_class] = Tracked
+    return Tracked
 
 
 class _Gate:
@@ -239,22 +267,14 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
     async def _perform(self, effect: Effect) -> Any:
         loop = asyncio.get_running_loop()
         if isinstance(effect, Send):
-            left = effect.deadline - loop.time()
-            if left <= 0:
-                raise DeadlinePassed()
-            try:
-                return await asyncio.wait_for(
-                    _send(effect.node, effect.request, effect.asking), left
-                )
-            except asyncio.TimeoutError as error:
-                raise DeadlinePassed() from error
+            return await _round_trip(effect, loop)
         if isinstance(effect, Acquire):
             return await _acquire(effect, loop)
         if isinstance(effect, Sleep):
             await asyncio.sleep(effect.seconds)
         elif isinstance(effect, Dropped):
             # redis-py 8's asyncio pool hands pooled connections out unchecked.
-            await _close_idle(effect.node, effect.deadline - loop.time())
+            await _close_idle(effect.node, effect.until - loop.time())
         elif isinstance(effect, Disconnect):
             await effect.node.client.connection_pool.disconnect()
         return None
@@ -278,7 +298,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
             connected()
 
         own_pool = redis.asyncio.BlockingConnectionPool(
-            connection_class=pool.connection_class,
+            connection_class=_tracked(pool.connection_class),
             max_connections=max_connections,
             **{"timeout": deadline, **pool_settings(pool, deadline, on_connect)},
         )
@@ -305,6 +325,53 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
             connection_class=connection_class, host=host, port=int(port), **settings
         )
         return redis.asyncio.Redis(connection_pool=pool)
+
+
+async def _round_trip(effect: Send, loop: asyncio.AbstractEventLoop) -> Any:
+    """The request on its call's trip: written by the queue time (NotSent if not), then
+    answered by the deadline; at the deadline, a few more turns of the loop for an
+    answer already on its way (a busy loop is late to read it) before DeadlinePassed."""
+    trip = effect.trip
+    written: Optional["asyncio.Future[None]"] = None
+    if trip.answer_by is None:
+        trip_written = loop.create_future()
+        written = trip_written
+
+        def told() -> None:
+            if not trip_written.done():
+                trip_written.set_result(None)
+
+        round_trip = RoundTrip(trip, told)
+    else:
+        round_trip = RoundTrip(trip)
+    token = _ROUND_TRIP.set(round_trip)
+    try:
+        task = loop.create_task(_send(effect.node, effect.request, effect.asking))
+    finally:
+        _ROUND_TRIP.reset(token)
+    try:
+        if written is not None:  # the call's first request: written by the queue time?
+            await asyncio.wait(
+                (task, written), timeout=trip.queue_by - loop.time(), return_when="FIRST_COMPLETED"
+            )
+        if not task.done() and trip.answer_by is not None:
+            await asyncio.wait((task,), timeout=trip.answer_by - loop.time())
+            for _ in range(LATE_TURNS):
+                if task.done():
+                    break
+                await asyncio.sleep(0)
+    except BaseException:
+        task.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        # Its cancellation closes the connection (the client library's): a fresh one next.
+        await asyncio.wait((task,))
+    if not task.cancelled():
+        return task.result()
+    if not round_trip.written:
+        raise NotSent("the deadline passed before the request was written")
+    raise DeadlinePassed()
 
 
 async def _acquire(effect: Acquire, loop: asyncio.AbstractEventLoop) -> bool:

@@ -18,11 +18,14 @@ import inspect
 import logging
 import threading
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import (
     Any,
     Callable,
     Generator,
     Generic,
+    Iterator,
     List,
     NamedTuple,
     Optional,
@@ -53,6 +56,7 @@ from ._engine import (
     Attempt,
     Command,
     ConnectionDropped,
+    Demoted,
     Engine,
     Flow,
     HoldState,
@@ -83,14 +87,15 @@ TRY_AGAIN_WAIT = 0.01
 
 
 class Send(NamedTuple):
-    """One request on ``node`` (``asking``: after ASKING, on one connection), its
-    connecting, sending and reading bounded by ``deadline`` (the layer's clock): the
-    reply, or the error the client raised (DeadlinePassed at the deadline)."""
+    """One request on ``node`` (``asking``: after ASKING, on one connection), on the
+    call's ``trip``: written by its ``queue_by`` (else NotSent: the client's own
+    overload), its connecting, sending and reading by its ``answer_by`` (else
+    DeadlinePassed: the server's). The reply, or the error the client raised."""
 
     node: "Node"
     request: Request
     asking: bool
-    deadline: float
+    trip: "Trip"
 
 
 class Sleep(NamedTuple):
@@ -111,11 +116,13 @@ class Acquire(NamedTuple):
 
 class Dropped(NamedTuple):
     """A connection to the node dropped: the server restarted, most likely, so its other
-    pooled connections are dead too (closed within ``deadline`` where the client library
-    would hand them out unchecked)."""
+    pooled connections are dead too (closed by ``until`` where the client library would
+    hand them out unchecked); ``demoted``: it answered READONLY, a replica now, so every
+    idle connection to it is closed, and the next reach the address afresh."""
 
     node: "Node"
-    deadline: float
+    until: float
+    demoted: bool = False
 
 
 class Disconnect(NamedTuple):
@@ -130,7 +137,104 @@ Driven = Generator[Effect, Any, T]
 
 
 class DeadlinePassed(TimeoutError):
-    """A round trip that the call's deadline cut short."""
+    """A round trip that the call's deadline cut short, its request written: no answer
+    came from the server (an answer already on its way when the deadline passed, read
+    by the client's next turns of its event loop, is taken: the delay was the
+    client's)."""
+
+
+class NotSent(d.QagBusy):
+    """The call's deadline passed before its request could be written: this process
+    was too busy (its event loop, its threads, its pool), not the server too slow. It
+    starts no back-off and is never answered by the policy."""
+
+
+class Budget:
+    """A request's time with the server, shared by every limiter call it makes (the
+    middleware's): each call's answers are due within what is left of it, and what a
+    call waited on the server is taken from it. So a slow server costs a request one
+    deadline, not one a call."""
+
+    def __init__(self, seconds: float) -> None:
+        self.left = seconds
+
+
+# The running request's budget, if its calls share one (``spending``).
+_BUDGET: ContextVar[Optional[Budget]] = ContextVar("qag_budget", default=None)
+
+
+@contextmanager
+def spending(budget: Budget) -> Iterator[None]:
+    """Every limiter call made inside (in this thread, or this task) spends ``budget``."""
+    token = _BUDGET.set(budget)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+class Trip:
+    """A call's time, on the layer's clock. Each request must be written by
+    ``queue_by``: until then the call waits on this process (a place in the pool, the
+    event loop, a thread), and past it has waited too long (NotSent). The first write
+    starts the server's time: every answer is due by ``answer_by``, ``window`` seconds
+    later (less where the request's budget has less left, never past ``latest``)."""
+
+    def __init__(
+        self,
+        queue_by: float,
+        window: float,
+        latest: Optional[float] = None,
+        budget: Optional[Budget] = None,
+    ) -> None:
+        self.queue_by = queue_by
+        self.window = window
+        self.latest = latest
+        self.budget = budget
+        self.written_at: Optional[float] = None
+        self.answer_by: Optional[float] = None
+
+    @property
+    def due(self) -> float:
+        """When the call's present wait ends: its answer, or, not yet written, its
+        writing."""
+        return self.queue_by if self.answer_by is None else self.answer_by
+
+    def writing(self, now: float) -> None:
+        """A request is being written now (NotSent if too late for the first)."""
+        if self.answer_by is not None:
+            return
+        if now >= self.queue_by:
+            raise NotSent("the deadline passed before the request was written")
+        window = self.window if self.budget is None else min(self.window, self.budget.left)
+        if window <= 0:  # the request waited its whole deadline on the server already
+            raise DeadlinePassed("the request's deadline is spent")
+        self.written_at, self.answer_by = now, now + window
+        if self.latest is not None:
+            self.answer_by = min(self.answer_by, self.latest)
+
+    def ended(self, now: float) -> None:
+        """The call is done: what it waited on the server is taken from the budget."""
+        if self.budget is not None and self.written_at is not None:
+            self.budget.left = max(self.budget.left - (now - self.written_at), 0.0)
+
+
+class RoundTrip:
+    """One request on its way, kept by the connection it runs on (the layers'
+    connection classes tell it when the request is written)."""
+
+    def __init__(self, trip: Trip, on_written: Optional[Callable[[], None]] = None) -> None:
+        self.trip = trip
+        self.written = False
+        self._on_written = on_written
+
+    def write(self, now: float) -> None:
+        if self.written:
+            return
+        self.trip.writing(now)
+        self.written = True
+        if self._on_written is not None:
+            self._on_written()
 
 
 class Stopped(BaseException):
@@ -190,9 +294,11 @@ def pool_size(client: Any, max_connections: Optional[int]) -> int:
     return DEFAULT_MAX_CONNECTIONS
 
 
-def check_options(deadline: float, max_connections: int) -> None:
+def check_options(deadline: float, max_connections: int, queue_timeout: float) -> None:
     if not deadline > 0:
         raise ValueError("deadline must be above 0 seconds")
+    if not queue_timeout > 0:
+        raise ValueError("queue_timeout must be above 0 seconds")
     if isinstance(max_connections, bool) or not (
         isinstance(max_connections, int) and max_connections >= 1
     ):
@@ -263,13 +369,16 @@ class Driver(Generic[LeaseT, ReservationT]):
         max_connections: Optional[int] = None,
         recheck_missing_module: float = 10.0,
         cross_slot: str = "raise",
+        queue_timeout: Optional[float] = None,
     ) -> None:
         max_connections = pool_size(client, max_connections)
-        check_options(deadline, max_connections)
+        queue_timeout = deadline if queue_timeout is None else queue_timeout
+        check_options(deadline, max_connections, queue_timeout)
         check_cross_slot(cross_slot)
         options = (backend, on_unavailable, back_off, local_share, recheck_missing_module)
         Engine(*options)  # the options checked now, not at the first call
         self._deadline = deadline
+        self._queue_timeout = queue_timeout
         self._back_off = back_off
         self._max_connections = max_connections
         self._cross_slot = cross_slot
@@ -505,92 +614,106 @@ class Driver(Generic[LeaseT, ReservationT]):
 
     # How a call runs.
 
+    def _trip(self, limit: Optional[float], routed: bool) -> Trip:
+        """A call's time, from now: waiting on this process up to the queue time, then
+        the deadline with the server, or what is left of the running request's budget
+        (``limit``: that many seconds for both). Background work (not routed) spends no
+        request's budget."""
+        now = self._now()
+        if limit is not None:
+            return Trip(now + limit, limit, now + limit)
+        budget = _BUDGET.get() if routed else None
+        return Trip(now + self._queue_timeout, self._deadline, budget=budget)
+
     def _call(self, keys: Sequence[str], flow: Callable[[Node], Flow[T]]) -> Driven[T]:
         """``flow`` on the node owning ``keys``, within the deadline."""
-        node, started = yield from self._node_for(keys)
-        return (yield from self._run(node, flow(node), started))
+        node, trip = yield from self._node_for(keys)
+        return (yield from self._run(node, flow(node), trip))
 
-    def _node_for(self, keys: Sequence[str]) -> Driven[Tuple[Node, float]]:
-        """The node owning the keys' slot (QagCrossSlot across slots), and when the
-        call began: the slot table is read first, within the call's deadline, if the
-        limiter has none yet, and refreshed in the background when due."""
+    def _node_for(self, keys: Sequence[str], routed: bool = True) -> Driven[Tuple[Node, Trip]]:
+        """The node owning the keys' slot (QagCrossSlot across slots), and the call's
+        time, begun now: the slot table is read first, on that time, if the limiter has
+        none yet, and refreshed in the background when due."""
         shards = self._shards
-        started = self._now()
+        trip = self._trip(None, routed)
         name = shards.owner(keys)
         if name is None:
-            yield from self._refresh(until=started + self._deadline)
+            yield from self._refresh(trip)
             name = shards.owner(keys)
             if name is None:
                 raise d.QagUnavailable("no node of the cluster serves the slot of " + keys[0])
         if shards.topology is not None and shards.start_refresh(time.monotonic()):
-            self._spawn(self._refresh(background=True), "qag-slots")
-        return shards.node(name), started
+            self._spawn(self._refresh(), "qag-slots")
+        return shards.node(name), trip
 
-    def _refresh(self, background: bool = False, until: Optional[float] = None) -> Driven[None]:
-        """Reads the slot table (``CLUSTER SLOTS``) from the first node that answers,
-        each asked within the deadline (all of them by ``until`` if given)."""
+    def _refresh(self, trip: Optional[Trip] = None) -> Driven[None]:
+        """Reads the slot table (``CLUSTER SLOTS``) from the first node that answers:
+        on a call's time if given (what it waits counts as the call's), else each node
+        asked within the deadline, in the background."""
         shards = self._shards
         for name in shards.seeds(self._startup):
             now = self._now()
-            if until is not None and now >= until:
+            if trip is not None and now >= trip.due:
                 break
-            deadline = now + self._deadline if until is None else until
             slots = Command(("CLUSTER", "SLOTS"), probe=True)
+            asked = trip or Trip(now + self._deadline, self._deadline)
             try:
-                reply = yield Send(shards.node(name), slots, False, deadline)
+                reply = yield Send(shards.node(name), slots, False, asked)
                 owners = parse_slots(reply, name)
             except Exception:  # that node cannot tell: the next one
                 continue
             shards.learned(owners, time.monotonic())
             return
-        if background:
+        if trip is None:
             shards.learned(None, time.monotonic())
 
     def _run(
         self,
         node: Node,
         flow: Flow[T],
-        started: Optional[float] = None,
+        trip: Optional[Trip] = None,
         *,
         routed: bool = True,
         limit: Optional[float] = None,
     ) -> Driven[T]:
-        """Runs a flow within the deadline from ``started`` (``limit``: within that many
-        seconds from now instead): waiting for a connection (QagBusy after it),
-        connecting, and every round trip (QagUnavailable after it) included. A routed
-        call still waiting for a connection when a back-off starts keeps to the policy
-        (background work is not routed: it waits on)."""
-        now = self._now()
-        if limit is not None:
-            deadline = now + limit
-        else:
-            deadline = (now if started is None else started) + self._deadline
+        """Runs a flow on the call's ``trip`` (a new one if not given; ``limit``: within
+        that many seconds from now instead): its requests written within the queue time
+        (waiting for a place in the pool, for the event loop or a thread: QagBusy past
+        it, the client's own overload: no back-off, no policy), their answers within
+        the deadline from the first write, connecting included (QagUnavailable past it
+        with no answer on its way: the server's, an outage). A routed call still
+        waiting for a connection when a back-off starts keeps to the policy (background
+        work is not routed: it waits on)."""
+        if trip is None:
+            trip = self._trip(limit, routed)
+        queue_by = trip.queue_by
         gated = False
         try:
             request = next(flow)
             engine, generation = node.engine, node.engine.generation if routed else -1
-            gated = node.gate.acquire_now(deadline)
+            gated = node.gate.acquire_now(queue_by)
             if not gated:
-                gated = yield Acquire(node, deadline, lambda: not engine.overtaken(generation))
+                gated = yield Acquire(node, queue_by, lambda: not engine.overtaken(generation))
             if gated and engine.overtaken(generation):
-                node.gate.release(deadline)
+                node.gate.release(queue_by)
                 gated = False
             if not gated:
                 flow.throw(Overtaken() if engine.overtaken(generation) else self._busy())
                 raise AssertionError("a flow went on without a connection")
             while True:
-                if self._now() >= deadline:
-                    request = flow.throw(self._late())
+                if self._now() >= trip.due:
+                    late = self._not_sent() if trip.answer_by is None else self._late()
+                    request = flow.throw(late)
                     continue
                 try:
-                    reply = yield from self._execute(node, request, deadline)
+                    reply = yield from self._execute(node, request, trip)
                 except Exception as error:  # every error is sorted, then thrown in
                     sorted_error = sort_error(error)
                     if isinstance(sorted_error, ConnectionDropped):
-                        yield Dropped(node, deadline)
+                        yield Dropped(node, trip.due, isinstance(sorted_error, Demoted))
                     if isinstance(sorted_error, d.QagUnavailable):
                         self._shards.failed()
-                        if isinstance(error, DeadlinePassed) or self._now() >= deadline:
+                        if isinstance(error, DeadlinePassed) or self._now() >= trip.due:
                             sorted_error = self._late()
                     request = flow.throw(sorted_error)
                 else:
@@ -599,23 +722,24 @@ class Driver(Generic[LeaseT, ReservationT]):
             answer: T = stop.value
             return answer
         finally:
+            trip.ended(self._now())
             if gated:
-                node.gate.release(deadline)
+                node.gate.release(queue_by)
             flow.close()  # a cancelled call frees its probe slot
 
-    def _execute(self, node: Node, request: Request, deadline: float) -> Driven[Any]:
+    def _execute(self, node: Node, request: Request, trip: Trip) -> Driven[Any]:
         """One request on the node; on a cluster, a MOVED or ASK reply is followed (a
         MOVED one also patches the slot table) and TRYAGAIN tried again, within the
-        deadline."""
+        call's time."""
         target, asking, redirections = node, False, 0
         while True:
             try:
-                return (yield Send(target, request, asking, deadline))
+                return (yield Send(target, request, asking, trip))
             except redis.exceptions.ResponseError as error:
                 if self._shards.topology is None:
                     raise
                 if try_again(error):
-                    if self._now() + TRY_AGAIN_WAIT >= deadline:
+                    if self._now() + TRY_AGAIN_WAIT >= trip.due:
                         raise
                     yield Sleep(TRY_AGAIN_WAIT)
                     continue
@@ -631,13 +755,19 @@ class Driver(Generic[LeaseT, ReservationT]):
                     self._shards.moved(moved.slot, moved.node)
                 target, asking = self._shards.node(moved.node), moved.ask
 
+    def _not_sent(self) -> NotSent:
+        return NotSent(
+            f"the call could not be sent within the queue time of {self._queue_timeout} s: "
+            "this process is overloaded (its event loop, threads or pool)"
+        )
+
     def _late(self) -> d.QagUnavailable:
         return d.QagUnavailable(f"no answer within the deadline of {self._deadline} s")
 
     def _busy(self) -> d.QagBusy:
         return d.QagBusy(
             f"no free connection in the limiter's pool of {self._max_connections} "
-            f"within the deadline of {self._deadline} s"
+            f"within the queue time of {self._queue_timeout} s"
         )
 
     # Background work.
@@ -668,7 +798,7 @@ class Driver(Generic[LeaseT, ReservationT]):
         while not self._closed:
             node: Optional[Node] = None
             try:
-                node, at = yield from self._node_for([key])
+                node, at = yield from self._node_for([key], routed=False)
                 flow = node.engine.background_release(key, lease_id)
                 if (yield from self._run(node, flow, at, routed=False)):
                     return
@@ -698,7 +828,7 @@ class Driver(Generic[LeaseT, ReservationT]):
         while not self._closed:
             node: Optional[Node] = None
             try:
-                node, at = yield from self._node_for(hold.keys)
+                node, at = yield from self._node_for(hold.keys, routed=False)
                 flow: Flow[int]
                 if release:
                     flow = node.engine.background_unreserve(hold, hold.left_ms(time.monotonic()))
@@ -819,11 +949,11 @@ class LeaseGuard:
                 limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
             raise
 
-    def _guard_node(self) -> Driven[Tuple[Node, float]]:
+    def _guard_node(self) -> Driven[Tuple[Node, Trip]]:
         """A lease the policy answered is given back where it was counted; one held in
         Redis on the node owning its key now."""
         if self._node is not None and not self._state.in_redis:
-            return self._node, self._limiter._now()
+            return self._node, self._limiter._trip(None, True)
         return (yield from self._limiter._node_for([self.key]))
 
     def _engine(self) -> Engine:
@@ -841,7 +971,7 @@ class LeaseGuard:
             yield Sleep(state.interval)
             sent_at = time.monotonic()
             try:
-                node, at = yield from limiter._node_for([self.key])
+                node, at = yield from limiter._node_for([self.key], routed=False)
                 renewal = node.engine.renewal(self.key, self.id, state.ttl_ms)
                 held = yield from limiter._run(node, renewal, at, routed=False)
             except d.QagError as error:

@@ -63,6 +63,12 @@ class ConnectionDropped(QagUnavailable):
     command with an id is sent once more; any other fails as an outage."""
 
 
+class Demoted(ConnectionDropped):
+    """The server answered READONLY: it is a replica now (a failover demoted the primary
+    this connection reached), and the command did not run. Any command is sent once
+    more, on a fresh connection (which may reach the new primary)."""
+
+
 @dataclass(frozen=True)
 class Command:
     words: Tuple[Any, ...]
@@ -106,6 +112,8 @@ def _sorted(error: BaseException) -> BaseException:
         return error
     if isinstance(error, errors.NoPermissionError) or text.startswith("NOPERM"):
         return QagPermissionError(text)
+    if isinstance(error, errors.ReadOnlyError) or text.startswith("READONLY"):
+        return Demoted(text)
     if isinstance(error, errors.MaxConnectionsError) or (
         isinstance(error, errors.ConnectionError) and text in _POOL_EXHAUSTED
     ):
@@ -400,12 +408,13 @@ class Engine:
         connection at once, and redis-py 8's asyncio pool hands them out unchecked: one
         dropped connection is no outage. The replay's failure is the call's; any other
         write without an id (a refund: twice would give back twice) is never sent
-        again."""
-        if not replayable:
-            return (yield request)
+        again, but after READONLY (a demoted primary: it did not run), when every
+        request is."""
         try:
             return (yield request)
-        except ConnectionDropped:
+        except ConnectionDropped as dropped:
+            if not (replayable or isinstance(dropped, Demoted)):
+                raise
             with self._lock:
                 self.tally.replays += 1
             return (yield request)
@@ -600,21 +609,21 @@ class Engine:
             try:
                 command = Command(_with_id(("QAG.REFUND", call.key, *arguments), request_id))
                 reply = yield from self._sent(command, request_id is not None)
-                return call.refunded(reply, "module")
+                return self._saw_refund(call, call.refunded(reply, "module"))
             except UnknownCommand:
                 self._module_failed()
         try:
             reply = yield RunScript(call.key, arguments, "refund")
         except UnknownCommand as error:
             raise QagServerError(str(error)) from error
-        return call.refunded(reply, "script")
+        return self._saw_refund(call, call.refunded(reply, "script"))
 
     def _take(self, call: BucketCall, request_id: Optional[str]) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
                 command = Command(_with_id(("QAG.TAKE", call.key, *call.arguments()), request_id))
                 reply = yield from self._sent(command, True)
-                return call.decision(reply, "module")
+                return self._saw(call, call.decision(reply, "module"))
             except UnknownCommand:
                 self._module_failed()
         return (yield from self._script(call))
@@ -629,8 +638,12 @@ class Engine:
                 reply = yield from self._sent(command, True)
                 if not isinstance(reply, list) or len(reply) != 2:
                     raise QagServerError(f"a QAG.TAKE2 reply, got {reply!r}")
-                key_decision = None if reply[1] is None else key.decision(reply[1], "module")
-                return PairDecision(client.decision(reply[0], "module"), key_decision)
+                client_decision = self._saw(client, client.decision(reply[0], "module"))
+                if reply[1] is None:
+                    return PairDecision(client_decision, None)
+                return PairDecision(
+                    client_decision, self._saw(key, key.decision(reply[1], "module"))
+                )
             except UnknownCommand:
                 self._module_failed()
         client_decision = yield from self._script(client)
@@ -642,7 +655,7 @@ class Engine:
             try:
                 peek = Command(("QAG.PEEK", call.key, *call.arguments()))
                 reply = yield from self._sent(peek, True)
-                return call.decision(reply, "module")
+                return self._saw(call, call.decision(reply, "module"))
             except UnknownCommand:
                 self._module_failed()
         # Without the module: the hash and the server's clock, computed with the
@@ -653,7 +666,7 @@ class Engine:
         seconds, micros = yield from self._sent(Command(("TIME",)), True)
         now = int(seconds) + int(micros) / 1e6
         reply, _ = take(call.count, call.period, call.cost, _stored(fields), now)
-        return call.decision(reply, "script")
+        return self._saw(call, call.decision(reply, "script"))
 
     def _script(self, call: BucketCall) -> Flow[Decision]:
         try:
@@ -661,7 +674,23 @@ class Engine:
             reply = yield from self._sent(script, True)
         except UnknownCommand as error:
             raise QagServerError(str(error)) from error
-        return call.decision(reply, "script")
+        return self._saw(call, call.decision(reply, "script"))
+
+    # Redis's last word on each key, where local counting would begin.
+
+    def _saw(self, call: BucketCall, decision: Decision) -> Decision:
+        with self._lock:
+            self.local.buckets.saw(
+                call.key, call.count, call.period, decision.remaining, self.wall()
+            )
+        return decision
+
+    def _saw_refund(self, call: BucketCall, refunded: Refunded) -> Refunded:
+        with self._lock:
+            self.local.buckets.saw(
+                call.key, call.count, call.period, refunded.remaining, self.wall()
+            )
+        return refunded
 
     def module_only(
         self, words: List[Any], attempt: Optional[Attempt] = None, replayable: bool = False
@@ -687,10 +716,13 @@ class Engine:
     ) -> Flow[LeaseGrant]:
         def in_redis() -> Flow[LeaseGrant]:
             words = ["QAG.LEASE", key, max_slots, ttl_ms, lease_id]
-            return d.lease_grant((yield from self.module_only(words, attempt)))
+            grant = d.lease_grant((yield from self.module_only(words, attempt)))
+            with self._lock:
+                self.local.leases.saw(key, grant.live, ttl_ms, self.wall())
+            return grant
 
         def local(state: LocalState, now: float, share: float) -> LeaseGrant:
-            return state.leases.acquire(key, lease_id, share_of(max_slots, share))
+            return state.leases.acquire(key, lease_id, max_slots, share, now)
 
         return self._routed(
             in_redis(), Fallback(lambda: LeaseGrant(True, 0, 0, "forwarded"), local)
@@ -712,7 +744,9 @@ class Engine:
         def in_redis() -> Flow[int]:
             return int((yield from self.module_only(["QAG.LEASES", key], replayable=True)))
 
-        return self._routed(in_redis(), Fallback(None, lambda state, _, __: state.leases.live(key)))
+        return self._routed(
+            in_redis(), Fallback(None, lambda state, now, share: state.leases.live(key, share, now))
+        )
 
     def guard_release(self, lease: LeaseState) -> Flow[Optional[bool]]:
         """A guard's release: a local lease is given back here, a forwarded one has
@@ -819,7 +853,10 @@ class Engine:
         attempt = None if hold is None else hold.attempt
 
         def in_redis() -> Flow[Admission]:
-            return d.admission((yield from self.module_only(words, attempt, replayable=True)))
+            admission = d.admission((yield from self.module_only(words, attempt, replayable=True)))
+            with self._lock:
+                self.local.windows.saw(chain, window or DEFAULT_WINDOW, self.wall(), admission)
+            return admission
 
         def forwarded() -> Admission:
             return Admission(True, None, 0, None, None, "forwarded")
@@ -841,8 +878,8 @@ class Engine:
         def in_redis() -> Flow[int]:
             return int((yield from self.module_only(words, replayable=True)))
 
-        def local(state: LocalState, now: float, _: float) -> int:
-            return state.windows.record(keys, tokens, window or DEFAULT_WINDOW, now)
+        def local(state: LocalState, now: float, share: float) -> int:
+            return state.windows.record(keys, tokens, window or DEFAULT_WINDOW, now, share)
 
         return self._routed(in_redis(), Fallback(lambda: 0, local))
 
@@ -878,13 +915,14 @@ class Engine:
                 now = self.wall()
                 windows = self.local.windows
                 windows.release(hold.keys, hold.id, released)
-                return Recorded(windows.record(hold.keys, unpaid, window, now), "local")
+                recorded = windows.record(hold.keys, unpaid, window, now, self.local_share)
+                return Recorded(recorded, "local")
 
         def in_redis() -> Flow[Recorded]:
             return Recorded(int((yield from self.module_only(words, replayable=True))), "module")
 
-        def local(state: LocalState, now: float, _: float) -> Recorded:
-            return Recorded(state.windows.record(hold.keys, unpaid, window, now), "local")
+        def local(state: LocalState, now: float, share: float) -> Recorded:
+            return Recorded(state.windows.record(hold.keys, unpaid, window, now, share), "local")
 
         forwarded = Fallback(lambda: Recorded(0, "forwarded"), local)
         return (yield from self._routed(in_redis(), forwarded))

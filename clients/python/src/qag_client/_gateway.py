@@ -37,6 +37,7 @@ from typing import (
 )
 from urllib.parse import parse_qs
 
+from ._driver import Budget, spending
 from ._policy import LogEvery
 from .answers import Refusal
 from .decisions import Decision, QagError, QagRefused, Quota, QuotaDecision
@@ -117,13 +118,15 @@ class Config:
     lease_ttl_ms: int = 30_000
     draft_headers: bool = True
     back_off: float = 5.0
+    # The limiter's deadline: what every request's calls may wait on Redis, together.
+    deadline: float = 0.5
     # Requests answered 503 because a limit could not be asked: one line a second.
     unavailable_log: LogEvery = field(default_factory=LogEvery, compare=False)
     unavailable_log_lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
 
     @staticmethod
     def of(
-        back_off: float,
+        limiter: Any,
         client_bucket: Optional[Rate],
         client_address: Optional[Extract],
         trusted_proxy_header: Optional[str],
@@ -151,7 +154,8 @@ class Config:
             limits_of,
             lease_ttl_ms,
             draft_headers,
-            back_off,
+            limiter._back_off,
+            limiter._deadline,
         )
 
 
@@ -228,6 +232,8 @@ class Limiting:
 
     def __init__(self, config: Config, parts: RequestParts) -> None:
         self.config = config
+        # What its calls may wait on Redis, all of them together: one deadline.
+        self.budget = Budget(config.deadline)
         self.id = unique_id()
         given = parts.headers.get("x-request-id", "")
         self.request_id = given if 0 < len(given) <= 128 else self.id
@@ -381,8 +387,14 @@ def _with_remaining(decision: Decision, remaining: int) -> Decision:
     return replace(decision, remaining=remaining)
 
 
-def drive_sync(limiter: Any, step: Step) -> Any:
-    """Runs a step with the blocking ``Limiter``."""
+def drive_sync(limiter: Any, step: Step, budget: Budget) -> Any:
+    """Runs a step with the blocking ``Limiter``, its calls spending the request's
+    ``budget``."""
+    with spending(budget):
+        return _drive_sync(limiter, step)
+
+
+def _drive_sync(limiter: Any, step: Step) -> Any:
     reply: Any = None
     error: Optional[QagError] = None
     while True:
@@ -403,8 +415,14 @@ def drive_sync(limiter: Any, step: Step) -> Any:
             error = failed
 
 
-async def drive_async(limiter: Any, step: Step) -> Any:
-    """Runs a step with the ``AsyncLimiter``."""
+async def drive_async(limiter: Any, step: Step, budget: Budget) -> Any:
+    """Runs a step with the ``AsyncLimiter``, its calls spending the request's
+    ``budget``."""
+    with spending(budget):
+        return await _drive_async(limiter, step)
+
+
+async def _drive_async(limiter: Any, step: Step) -> Any:
     reply: Any = None
     error: Optional[QagError] = None
     while True:

@@ -12,6 +12,9 @@ from typing import Optional
 from .decisions import Counts
 
 POLICIES = ("raise", "forward", "local")
+# The first probe after an outage comes this soon (or at ``back_off`` if sooner); each
+# that fails doubles the wait, up to ``back_off``.
+FIRST_PROBE = 0.1
 
 
 class Route(enum.Enum):
@@ -27,17 +30,23 @@ class Route(enum.Enum):
 class Outage:
     """The back-off state of one limiter.
 
-    An outage starts a back-off until ``now + back_off`` (a later one extends it);
-    meanwhile every call keeps to the policy. When it has ended, the first call to
-    arrive is routed to the probe (it starts the engine's probe and keeps to the policy
-    itself); the others keep to the policy until the probe has answered.
-    Only the probe ends a back-off (a call sent before it and answering during it does
-    not). With ``back_off`` 0 there is no back-off: every call goes to Redis.
+    An outage starts a back-off: every call keeps to the policy, and Redis is probed,
+    first ``FIRST_PROBE`` after the outage (``back_off`` if sooner), then after twice as
+    long each time a probe fails, never more than ``back_off`` apart. When a probe is
+    due, the first call to arrive is routed to it (it starts the engine's probe and
+    keeps to the policy itself); the others keep to the policy until the probe has
+    answered. The probe that answers ends the back-off: a restart measured in
+    milliseconds costs about ``FIRST_PROBE`` of answers by the policy, not
+    ``back_off``. Only the probe ends a back-off (a call sent before it and answering
+    during it does not). With ``back_off`` 0 there is no back-off: every call goes to
+    Redis.
     """
 
     def __init__(self, back_off: float) -> None:
         self.back_off = back_off
+        # When the next probe is due (None: no back-off), and the wait before it.
         self.until: Optional[float] = None
+        self.wait = 0.0
         self.probing = False
         self.cause = ""
         # Outages so far, and how many of them an answer has cleared the local state of.
@@ -68,13 +77,20 @@ class Outage:
         return False
 
     def failed(self, probe: bool, now: float, cause: str) -> None:
-        """Redis failed a call (an outage): a back-off starts or goes on."""
-        if probe:
-            self.probing = False
+        """Redis failed a call (an outage): a back-off starts, or, its probe failed, the
+        next probe is twice as far off (a call sent before the back-off and failing
+        during it changes nothing)."""
         self.generation += 1
-        if self.back_off > 0:
-            until = now + self.back_off
-            self.until = until if self.until is None else max(self.until, until)
+        if self.back_off <= 0:
+            return
+        if self.until is None:
+            self.wait = min(FIRST_PROBE, self.back_off)
+            self.until = now + self.wait
+            self.cause = cause
+        elif probe:
+            self.probing = False
+            self.wait = min(self.wait * 2, self.back_off)
+            self.until = now + self.wait
             self.cause = cause
 
     def abandoned(self, probe: bool) -> None:

@@ -14,9 +14,11 @@ from redis.cluster import RedisCluster
 
 from ._driver import (
     Acquire,
+    RoundTrip,
     Disconnect,
     Driven,
     Driver,
+    Dropped,
     Effect,
     LeaseGuard,
     Node,
@@ -35,19 +37,22 @@ if TYPE_CHECKING:
 
     P = ParamSpec("P")
 
-# The monotonic time by which the running round trip must end (per thread).
-_CALL_DEADLINE: ContextVar[Optional[float]] = ContextVar("qag_call_deadline", default=None)
+# The running round trip (per thread): its call's times, whether it was written.
+_ROUND_TRIP: ContextVar[Optional[RoundTrip]] = ContextVar("qag_round_trip", default=None)
 _BOUNDED: Dict[type, type] = {}
 
 
 def _time_left() -> Optional[float]:
-    deadline = _CALL_DEADLINE.get()
-    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+    round_trip = _ROUND_TRIP.get()
+    if round_trip is None:
+        return None
+    return max(round_trip.trip.due - time.monotonic(), 0.001)
 
 
 def _bounded(connection_class: type) -> type:
     """``connection_class`` whose connecting (socket and handshake), sending and reading
-    are bounded by what is left of the running call's deadline."""
+    are bounded by what is left of the running call's time, and that tells the round
+    trip when its request is written (NotSent if too late)."""
     if connection_class in _BOUNDED:
         return _BOUNDED[connection_class]
     base: Any = connection_class
@@ -66,6 +71,9 @@ def _bounded(connection_class: type) -> type:
                 connection.socket_connect_timeout, connection.socket_timeout = saved
 
         def send_packed_command(self, *args: Any, **kwargs: Any) -> Any:
+            round_trip = _ROUND_TRIP.get()
+            if round_trip is not None:
+                round_trip.write(time.monotonic())
             self._bound()
             return super().send_packed_command(*args, **kwargs)
 
@@ -294,11 +302,11 @@ class Limiter(Driver["Lease", "Reservation"]):
 
     def _perform(self, effect: Effect, stop: Optional[threading.Event]) -> Any:
         if isinstance(effect, Send):
-            token = _CALL_DEADLINE.set(effect.deadline)
+            token = _ROUND_TRIP.set(RoundTrip(effect.trip))
             try:
                 return _send(effect.node, effect.request, effect.asking)
             finally:
-                _CALL_DEADLINE.reset(token)
+                _ROUND_TRIP.reset(token)
         if isinstance(effect, Acquire):
             return effect.node.gate.acquire(effect.deadline, effect.still_wanted)
         if isinstance(effect, Sleep):
@@ -308,7 +316,9 @@ class Limiter(Driver["Lease", "Reservation"]):
                 raise Stopped()
         elif isinstance(effect, Disconnect):
             effect.node.client.connection_pool.disconnect()
-        # Dropped: the blocking pool checks a connection before it hands it out.
+        elif isinstance(effect, Dropped) and effect.demoted:
+            _close_idle(effect.node.client.connection_pool)
+        # Dropped otherwise: the blocking pool checks a connection before it hands it out.
         return None
 
     _now = staticmethod(time.monotonic)
@@ -339,6 +349,15 @@ class Limiter(Driver["Lease", "Reservation"]):
     def _node_client(self, cluster: Any, name: str) -> Any:
         host, _, port = name.rpartition(":")
         return redis.Redis(host=host, port=int(port), **cluster.nodes_manager.connection_kwargs)
+
+
+def _close_idle(pool: Any) -> None:
+    """Closes the pool's connections no call holds (redis-py 5's blocking pool closes
+    them all: a call whose connection closes under it meets a dropped one)."""
+    try:
+        pool.disconnect(inuse_connections=False)
+    except TypeError:
+        pool.disconnect()
 
 
 def _send(node: Node, request: Request, asking: bool) -> Any:

@@ -91,7 +91,7 @@ class RateLimitMiddleware:
         self.app = app
         self.limiter = limiter
         self.config = Config.of(
-            limiter._back_off,
+            limiter,
             client_bucket,
             client_address,
             trusted_proxy_header,
@@ -107,7 +107,7 @@ class RateLimitMiddleware:
             return
         limiter = self.limiter
         request = Limiting(self.config, _parts(scope))
-        outcome = await drive_async(limiter, request.admit())
+        outcome = await drive_async(limiter, request.admit(), request.budget)
         if isinstance(outcome, Refusal):
             status, fields, body = request.refused(outcome)
             await send(
@@ -127,7 +127,7 @@ class RateLimitMiddleware:
         async def send_limited(message: Message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
-                fields = await drive_async(limiter, request.started())
+                fields = await drive_async(limiter, request.started(), request.budget)
                 message = dict(message)
                 message["headers"] = list(message.get("headers", ())) + [
                     (n.encode("latin-1"), v.encode("latin-1")) for n, v in fields
@@ -136,14 +136,14 @@ class RateLimitMiddleware:
                 # The last message: the slot is freed as it goes out (first, so that a
                 # framework cancelling the app once the response is complete, as
                 # Starlette's StreamingResponse does, cannot cut the release short).
-                await drive_async(limiter, request.ended())
+                await drive_async(limiter, request.ended(), request.budget)
             await send(message)
 
         try:
             await self.app(scope, receive, send_limited)
         finally:
             # The app returned or raised (a client gone mid-stream): the slot is freed.
-            await drive_async(limiter, request.ended())
+            await drive_async(limiter, request.ended(), request.budget)
 
 
 __all__ = [

@@ -1,11 +1,14 @@
 """Counting in this process's memory, for the back-off after Redis failed
-(``on_unavailable="local"``): token buckets (each starting full, counted with the
-script's arithmetic, step for step in doubles; the Rust client uses qag-core's; both
-are tested against ``clients/shared_cases.json``), leases, quotas (from the last
-counts this process saw plus its own adds since) and fixed windows aligned to the
-clock. Every limit is scaled by the process's share of it (``local_share``), so a
-fleet of N processes with a share of 1/N stays near the limit during an outage.
-Plain code: the clock is an argument."""
+(``on_unavailable="local"``): token buckets (counted with the script's arithmetic, step
+for step in doubles; the Rust client uses qag-core's; both are tested against
+``clients/shared_cases.json``), leases, quotas and fixed windows aligned to the clock.
+Each starts from what Redis last answered for its key (``saw``: the tokens left and
+when, the live leases, the counts, what a window had left), refilled by the clock from
+there; only a key this process never saw answered starts as a fresh one (a full bucket,
+no lease, nothing counted). Every limit, and what Redis said is left of it, is scaled
+by the process's share (``local_share``), so one process never grants more than its
+share of what was left plus what refills, and a fleet of N processes with a share of
+1/N stays within the limit during an outage. Plain code: the clock is an argument."""
 
 from __future__ import annotations
 
@@ -68,56 +71,105 @@ def refund(
     return math.floor(tokens), (tokens, ts)
 
 
+# A bucket: (tokens, ts), its count and its period.
+_Bucket = Tuple[Tuple[float, float], int, float]
+
+
+def _not_full(entry: _Bucket, now: float) -> bool:
+    (tokens, ts), count, period = entry
+    return tokens + max(now - ts, 0.0) * count / period < count
+
+
 class LocalBuckets:
+    """Buckets counted in this process (``count``: this process's share of the limit).
+    One starts from Redis's last word on it (``saw``): that share of the tokens it said
+    were left, at the time it said so; else full."""
+
     def __init__(self) -> None:
-        self._buckets: Dict[str, Tuple[Tuple[float, float], int, float]] = {}
+        self._buckets: Dict[str, _Bucket] = {}
+        # Redis's last word on each bucket: kept through outages, never cleared.
+        self._seen: Dict[str, _Bucket] = {}
+
+    def saw(self, key: str, count: int, period: float, left: int, now: float) -> None:
+        """Redis answered that ``left`` whole tokens of ``count`` are left at ``now``."""
+        if len(self._seen) >= PRUNE_ABOVE and key not in self._seen:
+            # A bucket full again says nothing a fresh one would not.
+            self._seen = {k: entry for k, entry in self._seen.items() if _not_full(entry, now)}
+        self._seen[key] = ((float(left), now), count, period)
 
     def take(self, key: str, count: int, period: float, cost: int, now: float) -> List[int]:
-        stored = self._buckets.get(key)
-        reply, state = take(count, period, cost, stored[0] if stored else None, now)
+        reply, state = take(count, period, cost, self._stored(key, count), now)
         if len(self._buckets) >= PRUNE_ABOVE and key not in self._buckets:
-            self._prune(now)
+            self._buckets = {
+                k: entry for k, entry in self._buckets.items() if _not_full(entry, now)
+            }
         self._buckets[key] = (state, count, period)
         return reply
 
     def refund(self, key: str, count: int, period: float, n: int, now: float) -> int:
-        stored = self._buckets.get(key)
-        left, state = refund(count, period, n, stored[0] if stored else None, now)
+        left, state = refund(count, period, n, self._stored(key, count), now)
         if state is not None:
             self._buckets[key] = (state, count, period)
         return left
 
     def peek(self, key: str, count: int, period: float, cost: int, now: float) -> List[int]:
-        stored = self._buckets.get(key)
-        return take(count, period, cost, stored[0] if stored else None, now)[0]
+        return take(count, period, cost, self._stored(key, count), now)[0]
 
     def clear(self) -> None:
+        """Redis answers again: what is counted here goes (its last words stay)."""
         self._buckets.clear()
 
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def _prune(self, now: float) -> None:
-        self._buckets = {
-            key: entry
-            for key, entry in self._buckets.items()
-            if entry[0][0] + max(now - entry[0][1], 0.0) * entry[1] / entry[2] < entry[1]
-        }
+    def _stored(self, key: str, count: int) -> Optional[Tuple[float, float]]:
+        """The bucket as counted here, else as Redis last left it (scaled to ``count``,
+        this process's share), else None: a missing bucket, full."""
+        entry = self._buckets.get(key)
+        if entry is not None:
+            return entry[0]
+        seen = self._seen.get(key)
+        if seen is None:
+            return None
+        (left, at), full, _ = seen
+        return min(float(count), left * count / full), at
 
 
 class LocalLeases:
-    """Live leases per key, held by this process alone (ids, so a retried id counts
-    once)."""
+    """Live leases per key taken in this process (ids, so a retried id counts once),
+    beside those Redis last said were live (``saw``): this process's share of them
+    holds slots until they would have run out."""
 
     def __init__(self) -> None:
         self._held: Dict[str, Set[str]] = {}
+        # key -> (live, until: Unix seconds), Redis's last word.
+        self._seen: Dict[str, Tuple[int, float]] = {}
 
-    def acquire(self, key: str, lease_id: str, local_max: int) -> LeaseGrant:
+    def saw(self, key: str, live: int, ttl_ms: int, now: float) -> None:
+        """Redis answered that ``live`` leases are held at ``now``, each for ``ttl_ms``
+        at most from then."""
+        if len(self._seen) >= PRUNE_ABOVE and key not in self._seen:
+            self._seen = {k: seen for k, seen in self._seen.items() if seen[1] > now}
+        self._seen[key] = (live, now + ttl_ms / 1000)
+
+    def _taken_before(self, key: str, share: float, now: float) -> int:
+        """This process's share of the leases Redis last said were live, while they
+        may still be (rounded up)."""
+        seen = self._seen.get(key)
+        if seen is None or seen[1] <= now:
+            return 0
+        return math.ceil(seen[0] * share)
+
+    def acquire(
+        self, key: str, lease_id: str, max_slots: int, share: float, now: float
+    ) -> LeaseGrant:
+        local_max = share_of(max_slots, share)
         held = self._held.setdefault(key, set())
-        if lease_id in held or len(held) < local_max:
+        taken = self._taken_before(key, share, now)
+        if lease_id in held or taken + len(held) < local_max:
             held.add(lease_id)
-            return LeaseGrant(True, len(held), 0, "local")
-        return LeaseGrant(False, len(held), 1, "local")
+            return LeaseGrant(True, taken + len(held), 0, "local")
+        return LeaseGrant(False, taken + len(held), 1, "local")
 
     def release(self, key: str, lease_id: str) -> bool:
         held = self._held.get(key)
@@ -131,8 +183,8 @@ class LocalLeases:
     def holds(self, key: str, lease_id: str) -> bool:
         return lease_id in self._held.get(key, ())
 
-    def live(self, key: str) -> int:
-        return len(self._held.get(key, ()))
+    def live(self, key: str, share: float, now: float) -> int:
+        return self._taken_before(key, share, now) + len(self._held.get(key, ()))
 
     def clear(self) -> None:
         self._held.clear()
@@ -272,13 +324,35 @@ class LocalQuotas:
 
 class LocalWindows:
     """Requests and tokens per scope key in fixed windows of the call's length, aligned
-    to the clock (window n holds [n * window, (n + 1) * window))."""
+    to the clock (window n holds [n * window, (n + 1) * window)). A scope's window
+    starts from what Redis last said was used of it (``saw``: its limit less the least
+    left over the chain, which is at most what it has left; this process's share of
+    that), else from nothing."""
 
     def __init__(self) -> None:
         # key -> (window length, window number, requests, tokens)
         self._scopes: Dict[str, Tuple[int, int, int, int]] = {}
         # key -> reservation id -> (tokens held, until: Unix seconds)
         self._holds: Dict[str, Dict[str, Tuple[int, float]]] = {}
+        # key -> (window length, window number, requests used, tokens used), Redis's
+        # last word.
+        self._seen: Dict[str, Tuple[int, int, int, int]] = {}
+
+    def saw(self, scopes: Sequence[Scope], window: int, now: float, admission: Admission) -> None:
+        """Redis admitted (or refused) a request on ``scopes``: what it said was left,
+        the least over the chain, is at most what each scope has left (so a scope that
+        had more left begins stricter than it was)."""
+        number = math.floor(now / window)
+        if len(self._seen) >= PRUNE_ABOVE:
+            self._seen = {k: seen for k, seen in self._seen.items() if seen[1] >= number}
+        for scope in scopes:
+            used = []
+            for limit, left in (
+                (scope.rpm, admission.requests_remaining),
+                (scope.tpm, admission.tokens_remaining),
+            ):
+                used.append(max(limit - left, 0) if limit and left is not None else 0)
+            self._seen[scope.key] = (window, number, used[0], used[1])
 
     def _held(self, key: str, now: float) -> int:
         """The tokens the key's open reservations hold (those past their time dropped)."""
@@ -296,6 +370,18 @@ class LocalWindows:
         if entry is None or entry[0] != window or entry[1] != math.floor(now / window):
             return 0, 0
         return entry[2], entry[3]
+
+    def _begin(self, key: str, window: int, now: float, share: float) -> None:
+        """A scope not counted here in this window yet begins from Redis's last word on
+        it in this window: this process's share of what was used."""
+        number = math.floor(now / window)
+        entry = self._scopes.get(key)
+        if entry is not None and entry[0] == window and entry[1] == number:
+            return
+        seen = self._seen.get(key)
+        if seen is not None and seen[0] == window and seen[1] == number:
+            used = (math.ceil(seen[2] * share), math.ceil(seen[3] * share))
+            self._scopes[key] = (window, number, *used)
 
     def _add(self, key: str, window: int, now: float, requests: int, tokens: int) -> None:
         counted, charged = self._counts(key, window, now)
@@ -320,6 +406,8 @@ class LocalWindows:
         admitted only if the tokens fit beside what is counted and held, then held on
         every scope until released or until then."""
         reserve = 0 if hold is None else hold[1]
+        for scope in scopes:
+            self._begin(scope.key, window, now, share)
         limits = [
             (
                 scope.key,
@@ -356,8 +444,11 @@ class LocalWindows:
             retry = max(math.ceil((math.floor(now / window) + 1) * window - now), 1)
         return Admission(refused_by is None, refused_by, retry, requests_left, tokens_left, "local")
 
-    def record(self, keys: Sequence[str], tokens: int, window: int, now: float) -> int:
+    def record(
+        self, keys: Sequence[str], tokens: int, window: int, now: float, share: float
+    ) -> int:
         for key in keys:
+            self._begin(key, window, now, share)
             self._add(key, window, now, 0, tokens)
         return len(keys)
 
@@ -383,8 +474,8 @@ class LocalWindows:
 
 class LocalState:
     """Everything one limiter counts locally. Buckets, leases and windows live through a
-    back-off and are dropped when Redis has answered again; the quota counts seen from
-    Redis are kept (local quota decisions start from them), the local adds dropped."""
+    back-off and are dropped when Redis has answered again; what Redis last said of each
+    key is kept (local decisions start from it), the local adds dropped."""
 
     def __init__(self) -> None:
         self.buckets = LocalBuckets()

@@ -68,7 +68,7 @@ class RateLimitWSGI:
         self.app = app
         self.limiter = limiter
         self.config = Config.of(
-            limiter._back_off,
+            limiter,
             client_bucket,
             client_address,
             trusted_proxy_header,
@@ -81,7 +81,7 @@ class RateLimitWSGI:
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         limiter = self.limiter
         request = Limiting(self.config, _parts(environ))
-        outcome = drive_sync(limiter, request.admit())
+        outcome = drive_sync(limiter, request.admit(), request.budget)
         if isinstance(outcome, Refusal):
             status, fields, body = request.refused(outcome)
             start_response(f"{status} {_REASONS.get(status, '')}".rstrip(), fields)
@@ -91,15 +91,15 @@ class RateLimitWSGI:
         def start_limited(
             status: str, response_headers: List[Tuple[str, str]], exc_info: Any = None
         ) -> Any:
-            fields = drive_sync(limiter, request.started())
+            fields = drive_sync(limiter, request.started(), request.budget)
             return start_response(status, list(response_headers) + fields, exc_info)
 
         try:
             answer = self.app(environ, start_limited)
         except BaseException:
-            drive_sync(limiter, request.ended())
+            drive_sync(limiter, request.ended(), request.budget)
             raise
-        return _Closing(answer, lambda: drive_sync(limiter, request.ended()))
+        return _Closing(answer, lambda: drive_sync(limiter, request.ended(), request.budget))
 
 
 class _Closing:
