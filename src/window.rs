@@ -229,8 +229,9 @@ impl Scope {
             };
             if let Some(holds) = holds {
                 scope.holds = Holds::parse(holds.bytes());
-                // Reservations that stopped counting go with the scope's next write.
-                scope.holds_stale = scope.holds.drop_closed(fields.clock.now_micros / 1000);
+                // Reservations that stopped counting, or end later than any real hold
+                // would, go with the scope's next write.
+                scope.holds_stale = scope.holds.drop_not_counting(&fields.clock);
                 scope.counters.held = scope.holds.tokens();
             }
         }
@@ -386,8 +387,17 @@ impl Command for Admit {
             committed: false,
         });
         let now_millis = chain.now_millis();
-        let remembered =
-            id.map(|id| id.remember_holding(ctx, &mut chain.keys[0], &reply, hold, now_millis));
+        let trusted_until = chain.fields.clock.trusted_until();
+        let remembered = id.map(|id| {
+            id.remember_holding(
+                ctx,
+                &mut chain.keys[0],
+                &reply,
+                hold,
+                now_millis,
+                trusted_until,
+            )
+        });
         let first = remembered.as_ref().map(Remembered::field);
         let keep_first = remembered.as_ref().map_or(0, |r| r.keep_until);
         if admission.admitted {
@@ -451,7 +461,7 @@ impl Command for Record {
         // charges its count, `tokens`, less what the partials paid, and releases the rest.
         let keys = replay_core::chain_of(call.keys.iter().map(|key| args.get(*key)));
         let reservation = call.id.and_then(|index| {
-            Reservation::find(ctx, &chain.keys[0], args, index, keys, now_millis)
+            Reservation::find(ctx, &chain.keys[0], args, index, keys, &chain.fields.clock)
         });
         if reservation.as_ref().is_some_and(|r| r.reserved.committed) {
             // The commit's count covered it: a partial run late, or the commit sent
@@ -488,16 +498,26 @@ impl Command for Record {
             reservation.after(ctx, partial, now_millis)
         });
         let reply = Reply::Integer(chain.keys.len() as i64);
-        let remembered = id.map(|id| id.remember(ctx, &mut chain.keys[0], &reply, now_millis));
+        let trusted_until = chain.fields.clock.trusted_until();
+        let remembered = id.map(|id| {
+            id.remember_holding(
+                ctx,
+                &mut chain.keys[0],
+                &reply,
+                None,
+                now_millis,
+                trusted_until,
+            )
+        });
         let first: SmallVec<[_; 2]> = settled
             .iter()
             .map(|(field, value)| (field.raw, value.raw))
             .chain(remembered.as_ref().map(Remembered::field))
             .collect();
-        // A partial's record of what was paid is kept as long as that is remembered.
-        let keep_first = match (&settled, call.partial) {
-            (Some(_), true) => replay::keep_until(now_millis),
-            _ => remembered.as_ref().map_or(0, |r| r.keep_until),
+        // The ADMIT's record, rewritten, is kept as long as it is remembered.
+        let keep_first = match &settled {
+            Some(_) => replay::keep_until(now_millis),
+            None => remembered.as_ref().map_or(0, |r| r.keep_until),
         };
         chain.write(ctx, Kind::Tokens, totals, &first, keep_first);
         Ok(reply)
