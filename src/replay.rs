@@ -55,7 +55,7 @@ pub struct RequestId {
     /// Whether this call looks through the key's ids (`replay::pick`).
     pick: u64,
     /// The reply remembered under it, when the call is a replay.
-    pub remembered: Option<Reply>,
+    remembered: Option<Reply>,
 }
 
 impl RequestId {
@@ -85,14 +85,20 @@ impl RequestId {
     pub fn found(field: OwnedString, value: Option<OwnedString>, now_millis: i64) -> RequestId {
         let remembered = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)
             .map(|record| reply_of(record.answer));
-        if remembered.is_some() {
-            crate::stats::replayed();
-        }
         RequestId {
             pick: replay::pick(field.bytes(), now_millis),
             field,
             remembered,
         }
+    }
+
+    /// The reply remembered under the id, when the call is a replay, counted as one (a
+    /// call that finds it may answer otherwise: a commit, see QAG.RECORD).
+    pub fn replay(&self) -> Option<Reply> {
+        if self.remembered.is_some() {
+            crate::stats::replayed();
+        }
+        self.remembered
     }
 
     /// Remembers `reply` under the id until ID-SECONDS from now: the fields to write
