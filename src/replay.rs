@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use qag_core::args::ArgList;
 use qag_core::replay::{self, Answer, AnswerRef, Record, Reserved};
-use qag_core::window::Clock;
 
 use crate::command::{Ctx, RawArgs, Reply, Row};
 use crate::key::{Key, OwnedString, RawString};
@@ -163,16 +162,16 @@ pub struct Reservation {
 impl Reservation {
     /// The reservation of request id `args[index]` in `key`, made on the chain of keys
     /// `chain` (a RECORD on another chain finds nothing), committed or not, as read at
-    /// `clock`'s time.
+    /// `now_millis` by a clock that trusts holds ending by `trusted_until`.
     pub fn find(
         ctx: &Ctx,
         key: &Key,
         args: &RawArgs,
         index: usize,
         chain: i64,
-        clock: &Clock,
+        now_millis: i64,
+        trusted_until: i64,
     ) -> Option<Reservation> {
-        let (now_millis, trusted_until) = (clock.now_micros / 1000, clock.trusted_until());
         let field = RequestId::field(ctx, "admit", args, index);
         let [value] = key.hash_get([field.raw]);
         let record = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)?;

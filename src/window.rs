@@ -29,6 +29,8 @@ pub fn init() {
 /// windows'. The same for every scope, so made once per call.
 struct Fields {
     clock: Clock,
+    /// The latest a stored hold may end (`Clock::trusted_until`).
+    trusted_until: i64,
     requests: RawString,
     previous_requests: RawString,
     tokens: RawString,
@@ -85,6 +87,7 @@ impl Fields {
             });
         Fields {
             clock,
+            trusted_until: clock.trusted_until(),
             requests,
             previous_requests,
             tokens,
@@ -230,7 +233,10 @@ impl Scope {
                 scope.holds = Holds::parse(holds.bytes());
                 // Reservations that stopped counting, or end later than any real hold
                 // would, go with the scope's next write.
-                scope.holds_stale = scope.holds.drop_not_counting(&fields.clock);
+                let now_millis = fields.clock.now_micros / 1000;
+                scope.holds_stale = scope
+                    .holds
+                    .drop_not_counting(now_millis, fields.trusted_until);
                 scope.counters.held = scope.holds.tokens();
             }
         }
@@ -386,7 +392,7 @@ impl Command for Admit {
             committed: false,
         });
         let now_millis = chain.now_millis();
-        let trusted_until = chain.fields.clock.trusted_until();
+        let trusted_until = chain.fields.trusted_until;
         let remembered = id.map(|id| {
             id.remember_holding(
                 ctx,
@@ -451,7 +457,7 @@ impl Command for Record {
             .filter(|_| !call.partial)
             .map(|index| ("record", index));
         let (mut chain, id) = Chain::open(ctx, args, keys, call.window_seconds, id)?;
-        let now_millis = chain.now_millis();
+        let (now_millis, trusted_until) = (chain.now_millis(), chain.fields.trusted_until);
         // The reservation this charges, remembered by its ADMIT in the first key: a
         // partial charge pays `tokens` early and releases as much of the hold; the commit
         // charges its count, `tokens`, less what the partials paid, and releases the rest.
@@ -459,7 +465,8 @@ impl Command for Record {
         // used that id in this key, and must not stand for the commit.
         let keys = replay_core::chain_of(call.keys.iter().map(|key| args.get(*key)));
         let reservation = call.id.and_then(|index| {
-            Reservation::find(ctx, &chain.keys[0], args, index, keys, &chain.fields.clock)
+            let first = &chain.keys[0];
+            Reservation::find(ctx, first, args, index, keys, now_millis, trusted_until)
         });
         match &reservation {
             // The commit's count covered it: the commit sent again (a replay), or a
@@ -510,7 +517,6 @@ impl Command for Record {
         let reply = Reply::Integer(chain.keys.len() as i64);
         // A commit is remembered in the ADMIT's record alone (marked committed), not under
         // the RECORD's id, which stays another chain's to use.
-        let trusted_until = chain.fields.clock.trusted_until();
         let remembered = id.filter(|_| settled.is_none()).map(|id| {
             id.remember_holding(
                 ctx,

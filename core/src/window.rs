@@ -316,14 +316,14 @@ impl Holds {
         out
     }
 
-    /// Drops the groups that do not count at `clock`'s time: those that stopped counting,
-    /// and those ending after `clock.trusted_until()`, which no hold this clock trusts
-    /// made (a clock stepped far forward, a stray write) and which hold nothing. Whether
-    /// any were dropped.
-    pub fn drop_not_counting(&mut self, clock: &Clock) -> bool {
-        let (now, latest) = (clock.now_micros / 1000, clock.trusted_until());
+    /// Drops the groups that do not count at `now_millis`: those that stopped counting,
+    /// and those ending after `trusted_until` (`Clock::trusted_until`, made once per
+    /// call), which no hold the clock trusts made (a clock stepped far forward, a stray
+    /// write) and which hold nothing. Whether any were dropped.
+    pub fn drop_not_counting(&mut self, now_millis: i64, trusted_until: i64) -> bool {
         let before = self.0.len();
-        self.0.retain(|h| h.until > now && h.until <= latest);
+        self.0
+            .retain(|h| h.until > now_millis && h.until <= trusted_until);
         self.0.len() != before
     }
 
@@ -544,6 +544,11 @@ mod tests {
         Clock::new(W, START + (offset_seconds * 1e6) as i64)
     }
 
+    /// Drops `holds`' groups as a call at `clock`'s time reads them.
+    fn drop_not_counting(holds: &mut Holds, clock: &Clock) -> bool {
+        holds.drop_not_counting(clock.now_micros / 1000, clock.trusted_until())
+    }
+
     fn scope(rpm: i64, tpm: i64, counters: [i64; 4]) -> (Limits, Counters) {
         let [requests, previous_requests, tokens, previous_tokens] = counters;
         (
@@ -757,8 +762,8 @@ mod tests {
         assert_eq!(holds.encode(&mut text), stored.as_bytes());
         assert_eq!(Holds::parse(holds.encode(&mut text)), holds);
         assert_eq!(holds.tokens(), 147);
-        assert!(!holds.drop_not_counting(&clock(4.999)));
-        assert!(holds.drop_not_counting(&clock(5.0)));
+        assert!(!drop_not_counting(&mut holds, &clock(4.999)));
+        assert!(drop_not_counting(&mut holds, &clock(5.0)));
         assert_eq!(holds.tokens(), 107);
         holds.release(t9, 100);
         assert_eq!(holds.tokens(), 7);
@@ -795,13 +800,13 @@ mod tests {
             let text = format!("5 {latest} 7 {} 11 {}", latest + 1, i64::MAX);
             let mut holds = Holds::parse(text.as_bytes());
             assert_eq!(holds.tokens(), 23);
-            assert!(holds.drop_not_counting(&c), "{offset}");
+            assert!(drop_not_counting(&mut holds, &c), "{offset}");
             assert_eq!(holds.tokens(), 5, "a later end holds nothing: {offset}");
-            assert!(!holds.drop_not_counting(&c), "{offset}");
+            assert!(!drop_not_counting(&mut holds, &c), "{offset}");
         }
         // Once the clock moves into the next window, the bound moves with it.
         let mut holds = Holds::parse(format!("7 {}", START / 1000 + 180_001).as_bytes());
-        assert!(!holds.drop_not_counting(&clock(60.0)));
+        assert!(!drop_not_counting(&mut holds, &clock(60.0)));
         assert_eq!(holds.tokens(), 7);
     }
 
