@@ -178,7 +178,7 @@ impl Command for Take {
         let mut bucket = Bucket::open(ctx, args, take.key, take.limit, Access::ReadWrite)?;
         let now = ctx.now_micros();
         let (stored, id) = bucket.read(ctx, args, take.id.map(|index| ("take", index)), now);
-        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+        if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
             return Ok(reply);
         }
         let seconds = bucket::seconds_from_micros(now);
@@ -251,7 +251,7 @@ impl TakePair {
         )?;
         let id = pair.client.id.map(|index| ("take2", index));
         let (stored, id) = client.read(ctx, args, id, now);
-        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+        if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
             return Ok(reply);
         }
         let seconds = bucket::seconds_from_micros(now);
@@ -353,7 +353,7 @@ impl Command for Refund {
         let now = ctx.now_micros();
         let id = refund.id.map(|index| ("refund", index));
         let (stored, id) = bucket.read(ctx, args, id, now);
-        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+        if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
             return Ok(reply);
         }
         let seconds = bucket::seconds_from_micros(now);

@@ -175,7 +175,7 @@ impl Command for Add {
         let id = call
             .id
             .map(|index| RequestId::read(ctx, &quota.key, "quota.add", args, index, now_millis));
-        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+        if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
             return Ok(reply);
         }
         let usage = quota::add(quota.usage, call.counts()).ok_or(CommandError::Refused(

@@ -54,7 +54,7 @@ pub struct RequestId {
     /// Whether this call looks through the key's ids (`replay::pick`).
     pick: u64,
     /// The reply remembered under it, when the call is a replay.
-    pub remembered: Option<Reply>,
+    remembered: Option<Reply>,
 }
 
 impl RequestId {
@@ -84,9 +84,6 @@ impl RequestId {
     pub fn found(field: OwnedString, value: Option<OwnedString>, now_millis: i64) -> RequestId {
         let remembered = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)
             .map(|record| reply_of(record.answer));
-        if remembered.is_some() {
-            crate::stats::replayed();
-        }
         RequestId {
             pick: replay::pick(field.bytes(), now_millis),
             field,
@@ -94,15 +91,27 @@ impl RequestId {
         }
     }
 
+    /// The reply remembered under the id, when the call is a replay, counted as one (a
+    /// call that finds it may answer otherwise: a commit, see QAG.RECORD).
+    pub fn replay(&self) -> Option<Reply> {
+        if self.remembered.is_some() {
+            crate::stats::replayed();
+        }
+        self.remembered
+    }
+
     /// Remembers `reply` under the id until ID-SECONDS from now: the fields to write
     /// with the call's own. Looks through the key's ids first, and removes those
     /// forgotten, about once in as many calls as the key has fields, and at its cap.
     pub fn remember(self, ctx: &Ctx, key: &mut Key, reply: &Reply, now_millis: i64) -> Remembered {
-        self.remember_holding(ctx, key, reply, None, now_millis)
+        // Only a window's ADMIT reserves: a key of another family holds no reservation.
+        self.remember_holding(ctx, key, reply, None, now_millis, i64::MIN)
     }
 
     /// Remembers `reply` and the reservation `hold` the call made, until ID-SECONDS from
-    /// now or, when later, until the hold stops counting.
+    /// now or, when later, until the hold stops counting. `trusted_until`: the latest a
+    /// reservation the key remembers may end (a window's `Clock::trusted_until`), for the
+    /// look through its ids.
     pub fn remember_holding(
         self,
         ctx: &Ctx,
@@ -110,6 +119,7 @@ impl RequestId {
         reply: &Reply,
         hold: Option<Reserved>,
         now_millis: i64,
+        trusted_until: i64,
     ) -> Remembered {
         let most = ID_MAX.load(Ordering::Relaxed) as usize;
         if replay::looks_through(key.len(), self.pick, most) {
@@ -117,7 +127,7 @@ impl RequestId {
                 .hash_entries_where(&|name| name.starts_with(replay::FIELD_PREFIX))
                 .into_iter()
                 .map(|(name, value)| {
-                    let standing = replay::standing(value.bytes(), now_millis);
+                    let standing = replay::standing(value.bytes(), now_millis, trusted_until);
                     (name, standing)
                 })
                 .collect();
@@ -141,14 +151,18 @@ pub struct Reservation {
     record: Record,
     /// The reservation as remembered.
     pub reserved: Reserved,
-    /// Whether it still holds tokens on its scopes (else it expired or was committed:
-    /// only what its partial charges charged is left of it).
+    /// Whether it still holds tokens on its scopes (else it expired, was committed, or
+    /// ends later than any real hold: only what its partial charges charged is left of
+    /// it).
     pub open: bool,
+    /// The latest a real hold ends by the call's clock (`Clock::trusted_until`).
+    trusted_until: i64,
 }
 
 impl Reservation {
     /// The reservation of request id `args[index]` in `key`, made on the chain of keys
-    /// `chain` (a RECORD on another chain finds nothing), committed or not.
+    /// `chain` (a RECORD on another chain finds nothing), committed or not, as read at
+    /// `now_millis` by a clock that trusts holds ending by `trusted_until`.
     pub fn find(
         ctx: &Ctx,
         key: &Key,
@@ -156,6 +170,7 @@ impl Reservation {
         index: usize,
         chain: i64,
         now_millis: i64,
+        trusted_until: i64,
     ) -> Option<Reservation> {
         let field = RequestId::field(ctx, "admit", args, index);
         let [value] = key.hash_get([field.raw]);
@@ -165,37 +180,39 @@ impl Reservation {
             field,
             record,
             reserved,
-            open: !reserved.committed && reserved.until > now_millis && reserved.tokens > 0,
+            open: reserved.holds_at(now_millis, trusted_until),
+            trusted_until,
         })
     }
 
     /// The ADMIT's record after a partial charge of `charged` tokens that released
     /// `released` of the hold, or (None) after the commit, to write with the call's own
-    /// fields. A partial keeps it remembered for ID-SECONDS more: forgotten, the commit
-    /// would charge again what the partials paid.
+    /// fields. Either keeps it remembered for ID-SECONDS more: forgotten, the commit would
+    /// charge again what the partials paid, and, once committed, a partial run late or
+    /// the commit sent again would charge again.
     pub fn after(
         self,
         ctx: &Ctx,
         partial: Option<(i64, i64)>,
         now_millis: i64,
     ) -> (OwnedString, OwnedString) {
-        let (hold, forget_at) = match partial {
-            Some((charged, released)) => (
-                Reserved {
-                    tokens: self.reserved.tokens - released,
-                    charged: self.reserved.charged.saturating_add(charged),
-                    ..self.reserved
-                },
-                (self.record.forget_at).max(now_millis.saturating_add(ttl_millis())),
-            ),
-            None => (
-                Reserved {
-                    tokens: 0,
-                    committed: true,
-                    ..self.reserved
-                },
-                self.record.forget_at,
-            ),
+        let forget_at = self.record.forget_at_after_charge(
+            &self.reserved,
+            now_millis,
+            ttl_millis(),
+            self.trusted_until,
+        );
+        let hold = match partial {
+            Some((charged, released)) => Reserved {
+                tokens: self.reserved.tokens - released,
+                charged: self.reserved.charged.saturating_add(charged),
+                ..self.reserved
+            },
+            None => Reserved {
+                tokens: 0,
+                committed: true,
+                ..self.reserved
+            },
         };
         let answer = self.record.answer.as_ref();
         let value = OwnedString::from_text(ctx, |text| {

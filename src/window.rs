@@ -12,7 +12,6 @@ use qag_core::window::{self, Clock, Counters, FieldName, Hold, Holds, Kind};
 use qag_core::args::ArgList;
 use qag_core::replay::{self as replay_core, Reserved};
 use redis_module::raw;
-use smallvec::SmallVec;
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
 use crate::key::{Access, FieldName as SharedName, Key, OwnedString, RawString, ValueType};
@@ -30,6 +29,8 @@ pub fn init() {
 /// windows'. The same for every scope, so made once per call.
 struct Fields {
     clock: Clock,
+    /// The latest a stored hold may end (`Clock::trusted_until`).
+    trusted_until: i64,
     requests: RawString,
     previous_requests: RawString,
     tokens: RawString,
@@ -86,6 +87,7 @@ impl Fields {
             });
         Fields {
             clock,
+            trusted_until: clock.trusted_until(),
             requests,
             previous_requests,
             tokens,
@@ -229,8 +231,12 @@ impl Scope {
             };
             if let Some(holds) = holds {
                 scope.holds = Holds::parse(holds.bytes());
-                // Reservations that stopped counting go with the scope's next write.
-                scope.holds_stale = scope.holds.drop_closed(fields.clock.now_micros / 1000);
+                // Reservations that stopped counting, or end later than any real hold
+                // would, go with the scope's next write.
+                let now_millis = fields.clock.now_micros / 1000;
+                scope.holds_stale = scope
+                    .holds
+                    .drop_not_counting(now_millis, fields.trusted_until);
                 scope.counters.held = scope.holds.tokens();
             }
         }
@@ -365,7 +371,7 @@ impl Command for Admit {
         let keys = call.scopes.iter().map(|(key, _)| *key);
         let id = call.id.map(|index| ("admit", index));
         let (mut chain, id) = Chain::open(ctx, args, keys, call.window_seconds, id)?;
-        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
+        if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
             return Ok(reply);
         }
         let state: Vec<_> = chain
@@ -386,8 +392,17 @@ impl Command for Admit {
             committed: false,
         });
         let now_millis = chain.now_millis();
-        let remembered =
-            id.map(|id| id.remember_holding(ctx, &mut chain.keys[0], &reply, hold, now_millis));
+        let trusted_until = chain.fields.trusted_until;
+        let remembered = id.map(|id| {
+            id.remember_holding(
+                ctx,
+                &mut chain.keys[0],
+                &reply,
+                hold,
+                now_millis,
+                trusted_until,
+            )
+        });
         let first = remembered.as_ref().map(Remembered::field);
         let keep_first = remembered.as_ref().map_or(0, |r| r.keep_until);
         if admission.admitted {
@@ -442,21 +457,33 @@ impl Command for Record {
             .filter(|_| !call.partial)
             .map(|index| ("record", index));
         let (mut chain, id) = Chain::open(ctx, args, keys, call.window_seconds, id)?;
-        if let Some(reply) = id.as_ref().and_then(|id| id.remembered) {
-            return Ok(reply);
-        }
-        let now_millis = chain.now_millis();
+        let (now_millis, trusted_until) = (chain.now_millis(), chain.fields.trusted_until);
         // The reservation this charges, remembered by its ADMIT in the first key: a
         // partial charge pays `tokens` early and releases as much of the hold; the commit
         // charges its count, `tokens`, less what the partials paid, and releases the rest.
+        // Looked for before the call's own id: a plain record on another chain may have
+        // used that id in this key, and must not stand for the commit.
         let keys = replay_core::chain_of(call.keys.iter().map(|key| args.get(*key)));
         let reservation = call.id.and_then(|index| {
-            Reservation::find(ctx, &chain.keys[0], args, index, keys, now_millis)
+            let first = &chain.keys[0];
+            Reservation::find(ctx, first, args, index, keys, now_millis, trusted_until)
         });
-        if reservation.as_ref().is_some_and(|r| r.reserved.committed) {
-            // The commit's count covered it: a partial run late, or the commit sent
-            // again once its own id was forgotten. Nothing to charge, nothing written.
-            return Ok(Reply::Integer(chain.keys.len() as i64));
+        match &reservation {
+            // The commit's count covered it: the commit sent again (a replay), or a
+            // partial run late. Nothing to charge, nothing written.
+            Some(r) if r.reserved.committed => {
+                if !call.partial {
+                    crate::stats::replayed();
+                }
+                return Ok(Reply::Integer(chain.keys.len() as i64));
+            }
+            Some(_) => {}
+            // A plain record: replayable under its own id.
+            None => {
+                if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
+                    return Ok(reply);
+                }
+            }
         }
         // A commit settles the count: less than the partials paid (one sent twice) takes
         // the difference back from the current window, down to nothing.
@@ -488,18 +515,28 @@ impl Command for Record {
             reservation.after(ctx, partial, now_millis)
         });
         let reply = Reply::Integer(chain.keys.len() as i64);
-        let remembered = id.map(|id| id.remember(ctx, &mut chain.keys[0], &reply, now_millis));
-        let first: SmallVec<[_; 2]> = settled
-            .iter()
+        // A commit is remembered in the ADMIT's record alone (marked committed), not under
+        // the RECORD's id, which stays another chain's to use.
+        let remembered = id.filter(|_| settled.is_none()).map(|id| {
+            id.remember_holding(
+                ctx,
+                &mut chain.keys[0],
+                &reply,
+                None,
+                now_millis,
+                trusted_until,
+            )
+        });
+        let first = settled
+            .as_ref()
             .map(|(field, value)| (field.raw, value.raw))
-            .chain(remembered.as_ref().map(Remembered::field))
-            .collect();
-        // A partial's record of what was paid is kept as long as that is remembered.
-        let keep_first = match (&settled, call.partial) {
-            (Some(_), true) => replay::keep_until(now_millis),
-            _ => remembered.as_ref().map_or(0, |r| r.keep_until),
+            .or(remembered.as_ref().map(Remembered::field));
+        // The ADMIT's record, rewritten, is kept as long as it is remembered.
+        let keep_first = match &settled {
+            Some(_) => replay::keep_until(now_millis),
+            None => remembered.as_ref().map_or(0, |r| r.keep_until),
         };
-        chain.write(ctx, Kind::Tokens, totals, &first, keep_first);
+        chain.write(ctx, Kind::Tokens, totals, first.as_slice(), keep_first);
         Ok(reply)
     }
 }

@@ -407,6 +407,54 @@ fn only_a_record_on_the_reservations_own_chain_releases_it() {
 }
 
 #[test]
+fn a_commit_closes_its_reservation_whatever_records_on_other_chains_used_its_id() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let (k, k2) = (t.key("{c}k"), t.key("{c}k2"));
+    let tokens = |con: &mut Connection| (counted(con, &k, "tok:"), counted(con, &k2, "tok:"));
+    let run = |con: &mut Connection, line: &str| value(&send_line(con, line));
+    let holds = |con: &mut Connection| (held(con, &k), held(con, &k2));
+    // The review's case: a plain record on another chain (its first key the ADMIT's),
+    // then the commit on the ADMIT's own chain.
+    let admit = format!("QAG.ADMIT 2 {k} 0 10000 {k2} 0 10000 RESERVE 300 ID c WINDOW 3600");
+    let other = format!("QAG.RECORD 1 {k} 10 ID c WINDOW 3600");
+    let commit = format!("QAG.RECORD 2 {k} {k2} 10 ID c WINDOW 3600");
+    run(&mut con, &admit);
+    assert_eq!(holds(&mut con), (300, 300));
+    assert_eq!(run(&mut con, &other), value(&Ok(Value::Int(1))));
+    assert_eq!(
+        holds(&mut con),
+        (300, 300),
+        "another chain releases nothing"
+    );
+    assert_eq!(run(&mut con, &commit), value(&Ok(Value::Int(2))));
+    assert_eq!(holds(&mut con), (0, 0), "the commit closed the reservation");
+    assert_eq!(tokens(&mut con), (20, 10));
+    // Each is replayable on its own: sent again, each answers as it did and changes
+    // nothing.
+    let before = (state(&mut con, &k), state(&mut con, &k2));
+    assert_eq!(run(&mut con, &commit), value(&Ok(Value::Int(2))));
+    assert_eq!(run(&mut con, &other), value(&Ok(Value::Int(1))));
+    assert_eq!((state(&mut con, &k), state(&mut con, &k2)), before);
+    // The other way round: the commit first, then a plain record on another chain,
+    // which the commit does not shadow either: it counts once.
+    let admit = admit.replace("ID c", "ID d");
+    let (other, commit) = (
+        other.replace("ID c", "ID d"),
+        commit.replace("ID c", "ID d"),
+    );
+    run(&mut con, &admit);
+    assert_eq!(run(&mut con, &commit), value(&Ok(Value::Int(2))));
+    assert_eq!(holds(&mut con), (0, 0));
+    for _ in 0..2 {
+        assert_eq!(run(&mut con, &other), value(&Ok(Value::Int(1))));
+        assert_eq!(run(&mut con, &commit), value(&Ok(Value::Int(2))));
+    }
+    assert_eq!(tokens(&mut con), (40, 20));
+    t.assert_healthy();
+}
+
+#[test]
 fn calls_without_an_id_keep_a_key_for_the_ids_it_remembers() {
     if external("calls_without_an_id_keep_a_key_for_the_ids_it_remembers") {
         return;

@@ -28,16 +28,6 @@ fn record(con: &mut Connection, keys: &[&str], tokens: i64, window: i64) -> i64 
         .unwrap()
 }
 
-/// The sum of a scope's `req:` (or `tok:`) counters over every window it holds.
-fn counted(con: &mut Connection, key: &str, prefix: &str) -> i64 {
-    let fields: Vec<(String, i64)> = cmd("HGETALL").arg(key).query(con).unwrap();
-    fields
-        .iter()
-        .filter(|(f, _)| f.starts_with(prefix))
-        .map(|(_, v)| v)
-        .sum()
-}
-
 /// Runs `per_connection` ADMITs on each of `connections` connections at once; returns
 /// how many were admitted.
 fn race(
@@ -342,5 +332,147 @@ fn counts_more_than_a_window_ahead_are_dropped_with_their_expiry() {
     assert!((0..=6_000).contains(&ttl), "{ttl}");
     let fields: Vec<String> = cmd("HKEYS").arg(&other).query(&mut con).unwrap();
     assert_eq!(fields, [format!("tok:{now}")]);
+    t.assert_healthy();
+}
+
+/// The server's clock, in Unix ms.
+fn now_millis(con: &mut Connection) -> i64 {
+    let (s, us): (i64, i64) = cmd("TIME").query(con).unwrap();
+    s * 1000 + us / 1000
+}
+
+#[test]
+fn holds_ending_after_the_window_after_next_hold_nothing_and_go() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    // The review's case: 9,000 tokens held for a day (a clock stepped far forward, a
+    // stray write) against a tpm of 10,000 on one-second windows, a key kept by traffic.
+    let key = t.key("held-far");
+    let day_ahead = now_millis(&mut con) + 86_400_000;
+    let _: () = cmd("HSET")
+        .arg(&key)
+        .arg("holds")
+        .arg(format!("9000 {day_ahead}"))
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("PEXPIRE").arg(&key).arg(5000).query(&mut con).unwrap();
+    for _ in 0..2 {
+        assert_eq!(
+            admit(&mut con, &[(&key, 0, 10_000)], 1),
+            [1, 0, 0, -1, 10_000]
+        );
+    }
+    let holds: Option<String> = cmd("HGET").arg(&key).arg("holds").query(&mut con).unwrap();
+    assert_eq!(holds, None, "removed by the first write");
+    let ttl: i64 = cmd("PTTL").arg(&key).query(&mut con).unwrap();
+    assert!((0..=3_000).contains(&ttl), "the window's expiry: {ttl}");
+    // Hour windows, so that the clock stays in one for the test. A hold made in the next
+    // window (by a clock a little ahead) ends at the end of the window after it: trusted
+    // to the millisecond, kept with the expiry it needs; one a millisecond later is not.
+    let n = now_millis(&mut con) / 3_600_000;
+    let latest = (n + 3) * 3_600_000;
+    let near = t.key("held-near");
+    let _: () = cmd("HSET")
+        .arg(&near)
+        .arg("holds")
+        .arg(format!("300 {latest} 400 {}", latest + 1))
+        .query(&mut con)
+        .unwrap();
+    let _: () = cmd("PEXPIREAT")
+        .arg(&near)
+        .arg(4_000_000_000_000i64)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(
+        admit(&mut con, &[(&near, 0, 1000)], 3600),
+        [1, 0, 0, -1, 700]
+    );
+    let holds: Option<String> = cmd("HGET").arg(&near).arg("holds").query(&mut con).unwrap();
+    assert_eq!(holds, Some(format!("300 {latest}")));
+    let at: i64 = cmd("PEXPIRETIME").arg(&near).query(&mut con).unwrap();
+    assert_eq!(
+        at, latest,
+        "the expiry brought back to the trusted hold's end"
+    );
+    t.assert_healthy();
+}
+
+#[test]
+fn a_reservation_remembered_far_ahead_holds_nothing_and_keeps_its_id_no_longer() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let key = t.key("reserved-far");
+    let admitted = send_line(
+        &mut con,
+        &format!("QAG.ADMIT 1 {key} 0 10000 RESERVE 9000 ID x WINDOW 3600"),
+    )
+    .unwrap();
+    assert_eq!(
+        admitted,
+        Value::Array([1, 0, 0, -1, 1000].map(Value::Int).to_vec())
+    );
+    // As an ADMIT by a clock a day ahead would have left it: the group and the
+    // reservation, and the id's forget time with them, a day ahead.
+    let record: String = cmd("HGET")
+        .arg(&key)
+        .arg("id:admit:x")
+        .query(&mut con)
+        .unwrap();
+    let parts: Vec<&str> = record.split(' ').collect();
+    let chain = parts[2].split(',').nth(2).unwrap();
+    let day_ahead = now_millis(&mut con) + 86_400_000;
+    let _: () = cmd("HSET")
+        .arg(&key)
+        .arg("holds")
+        .arg(format!("9000 {day_ahead}"))
+        .arg("id:admit:x")
+        .arg(format!(
+            "{day_ahead} {} h9000,{day_ahead},{chain},0",
+            parts[1]
+        ))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(
+        admit(&mut con, &[(&key, 0, 10_000)], 3600),
+        [1, 0, 0, -1, 10_000],
+        "nothing held"
+    );
+    let forget_at = |con: &mut Connection| -> i64 {
+        let record: String = cmd("HGET").arg(&key).arg("id:admit:x").query(con).unwrap();
+        record.split(' ').next().unwrap().parse().unwrap()
+    };
+    // A partial pays early and releases nothing; the id is kept ID-SECONDS (300 s by
+    // default) from then, not a day.
+    send_line(
+        &mut con,
+        &format!("QAG.RECORD 1 {key} 500 WINDOW 3600 ID x PARTIAL"),
+    )
+    .unwrap();
+    let limit = now_millis(&mut con) + 300_000;
+    assert!(
+        forget_at(&mut con) <= limit,
+        "{} > {limit}",
+        forget_at(&mut con)
+    );
+    // The commit charges the rest of its count, once.
+    for _ in 0..2 {
+        send_line(
+            &mut con,
+            &format!("QAG.RECORD 1 {key} 1000 WINDOW 3600 ID x"),
+        )
+        .unwrap();
+    }
+    assert_eq!(counted(&mut con, &key, "tok:"), 1000);
+    let limit = now_millis(&mut con) + 300_000;
+    assert!(
+        forget_at(&mut con) <= limit,
+        "{} > {limit}",
+        forget_at(&mut con)
+    );
+    let ttl: i64 = cmd("PTTL").arg(&key).query(&mut con).unwrap();
+    assert!(
+        ttl <= 2 * 3_600_000,
+        "the window's expiry, not a day's: {ttl}"
+    );
     t.assert_healthy();
 }

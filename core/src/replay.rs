@@ -80,11 +80,42 @@ pub struct Reserved {
 }
 
 impl Reserved {
+    /// Whether it still holds tokens on its scopes at `now_millis`: not committed, some
+    /// left, and ending after now but no later than `trusted_until`, the latest a hold
+    /// the caller's clock trusts can end (`window::Clock::trusted_until`): a later end
+    /// came from no real hold (a clock stepped far forward, a stray write), and holds
+    /// nothing, as the scopes' own groups of it hold nothing.
+    pub fn holds_at(&self, now_millis: i64, trusted_until: i64) -> bool {
+        !self.committed && self.tokens > 0 && self.until > now_millis && self.until <= trusted_until
+    }
+
     /// Whether forgetting it now would change a count: it still holds tokens, or, not
     /// yet committed, remembers what its partial charges paid (forgotten, its commit
     /// would charge those again).
-    pub fn needed(&self, now_millis: i64) -> bool {
-        !self.committed && (self.tokens > 0 && self.until > now_millis || self.charged > 0)
+    pub fn needed(&self, now_millis: i64, trusted_until: i64) -> bool {
+        self.holds_at(now_millis, trusted_until) || !self.committed && self.charged > 0
+    }
+}
+
+impl Record {
+    /// When an ADMIT's record is forgotten once rewritten at `now_millis` by a charge
+    /// under its reservation `hold` (a partial, or the commit): `id_millis` (ID-SECONDS)
+    /// from now, so that a commit finds what partials paid and is itself remembered as
+    /// long as any call, or when it was to be forgotten already, if later. That time may
+    /// be the hold's end: for a hold ending after `trusted_until` (see
+    /// [`Reserved::holds_at`]) it came from no real hold, and goes with it.
+    pub fn forget_at_after_charge(
+        &self,
+        hold: &Reserved,
+        now_millis: i64,
+        id_millis: i64,
+        trusted_until: i64,
+    ) -> i64 {
+        let kept = match hold.until <= trusted_until {
+            true => self.forget_at,
+            false => i64::MIN,
+        };
+        kept.max(now_millis.saturating_add(id_millis))
     }
 }
 
@@ -254,15 +285,16 @@ pub struct Standing {
     pub holding: bool,
 }
 
-/// How the id remembered as `value` stands at `now_millis`.
-pub fn standing(value: &[u8], now_millis: i64) -> Standing {
+/// How the id remembered as `value` stands at `now_millis`, a reservation ending after
+/// `trusted_until` holding nothing ([`Reserved::holds_at`]).
+pub fn standing(value: &[u8], now_millis: i64, trusted_until: i64) -> Standing {
     let forget_at = forget_at(value);
     // Only an ADMIT that reserved and is not committed has ` h…`: the others are not
     // decoded.
     let holding = value.windows(2).any(|pair| pair == b" h")
         && decode(value)
             .and_then(|record| record.hold)
-            .is_some_and(|hold| hold.needed(now_millis));
+            .is_some_and(|hold| hold.needed(now_millis, trusted_until));
     Standing { forget_at, holding }
 }
 
@@ -522,7 +554,7 @@ mod tests {
             charged: 0,
             committed: false,
         };
-        let standing = |value: &[u8]| standing(value, 100);
+        let standing = |value: &[u8]| standing(value, 100, 1_000);
         assert_eq!(
             standing(&record(None)),
             Standing {
@@ -533,6 +565,14 @@ mod tests {
         assert!(standing(&record(Some(hold(40, 200)))).holding);
         assert!(!standing(&record(Some(hold(40, 100)))).holding, "expired");
         assert!(!standing(&record(Some(hold(0, 200)))).holding, "all paid");
+        assert!(
+            standing(&record(Some(hold(40, 1_000)))).holding,
+            "to the bound"
+        );
+        assert!(
+            !standing(&record(Some(hold(40, 1_001)))).holding,
+            "ending after the bound: no real hold"
+        );
         // What its partials paid is needed by its commit, held or not.
         let paid = |tokens, until| Reserved {
             charged: 30,
@@ -546,12 +586,63 @@ mod tests {
             standing(&record(Some(paid(0, 100)))).holding,
             "expired, paid"
         );
+        assert!(
+            standing(&record(Some(paid(40, 5_000)))).holding,
+            "beyond the bound, paid"
+        );
         let committed = Reserved {
             committed: true,
             ..paid(40, 200)
         };
         assert!(!standing(&record(Some(committed))).holding, "committed");
         assert_eq!(standing(b"junk").forget_at, None);
+    }
+
+    #[test]
+    fn a_charge_keeps_a_reservations_record_for_id_seconds_and_no_untrusted_end() {
+        let hold = |until| Reserved {
+            tokens: 40,
+            until,
+            chain: 7,
+            charged: 0,
+            committed: false,
+        };
+        let remembered = |forget_at| Record {
+            forget_at,
+            answer: Answer::Row(vec![Some(1)]),
+            hold: Some(hold(forget_at)),
+        };
+        let after =
+            |record: &Record, until| record.forget_at_after_charge(&hold(until), 1_000, 300, 2_000);
+        assert_eq!(
+            after(&remembered(1_100), 1_100),
+            1_300,
+            "ID-SECONDS from now"
+        );
+        assert_eq!(
+            after(&remembered(1_900), 1_900),
+            1_900,
+            "the hold's end, later"
+        );
+        assert_eq!(after(&remembered(2_000), 2_000), 2_000, "to the bound");
+        assert_eq!(
+            after(&remembered(9_000), 9_000),
+            1_300,
+            "an end after the bound keeps nothing"
+        );
+        assert_eq!(after(&remembered(i64::MAX), 2_001), 1_300);
+        let hold = Reserved {
+            until: 1_500,
+            ..hold(0)
+        };
+        assert!(hold.holds_at(1_000, 2_000));
+        assert!(!hold.holds_at(1_500, 2_000), "ended");
+        assert!(!hold.holds_at(1_000, 1_499), "beyond the bound");
+        let committed = Reserved {
+            committed: true,
+            ..hold
+        };
+        assert!(!committed.holds_at(1_000, 2_000));
     }
 
     #[test]

@@ -65,8 +65,16 @@ impl Clock {
     /// `keep_until` (Unix ms; 0 for nothing) is how long the hash's other fields must
     /// last: remembered request ids, kept until then however the windows go.
     pub fn expiry_after_write(&self, current: i64, keep_until: i64) -> i64 {
-        let latest = ((self.window() + 3) * self.window_micros / 1000).max(keep_until);
+        let latest = self.trusted_until().max(keep_until);
         self.expire_at_millis().max(current.min(latest))
+    }
+
+    /// The end of the window after the next (Unix ms): when the next window's counts,
+    /// kept as made by a clock a little ahead, stop counting, and the latest a hold made
+    /// by such a clock ends. A stored time later than this came from no window this
+    /// clock is about to enter.
+    pub fn trusted_until(&self) -> i64 {
+        (self.window() + 3) * self.window_micros / 1000
     }
 
     /// When a reservation made now stops counting: at the end of the next window, when
@@ -308,10 +316,14 @@ impl Holds {
         out
     }
 
-    /// Drops the groups that stop counting by `now_millis`; whether any did.
-    pub fn drop_closed(&mut self, now_millis: i64) -> bool {
+    /// Drops the groups that do not count at `now_millis`: those that stopped counting,
+    /// and those ending after `trusted_until` (`Clock::trusted_until`, made once per
+    /// call), which no hold the clock trusts made (a clock stepped far forward, a stray
+    /// write) and which hold nothing. Whether any were dropped.
+    pub fn drop_not_counting(&mut self, now_millis: i64, trusted_until: i64) -> bool {
         let before = self.0.len();
-        self.0.retain(|h| h.until > now_millis);
+        self.0
+            .retain(|h| h.until > now_millis && h.until <= trusted_until);
         self.0.len() != before
     }
 
@@ -532,6 +544,11 @@ mod tests {
         Clock::new(W, START + (offset_seconds * 1e6) as i64)
     }
 
+    /// Drops `holds`' groups as a call at `clock`'s time reads them.
+    fn drop_not_counting(holds: &mut Holds, clock: &Clock) -> bool {
+        holds.drop_not_counting(clock.now_micros / 1000, clock.trusted_until())
+    }
+
     fn scope(rpm: i64, tpm: i64, counters: [i64; 4]) -> (Limits, Counters) {
         let [requests, previous_requests, tokens, previous_tokens] = counters;
         (
@@ -727,28 +744,30 @@ mod tests {
     fn holds_are_grouped_by_when_they_stop_counting() {
         let mut holds = Holds::default();
         let mut text = Vec::new();
+        let (t5, t9) = (START / 1000 + 5_000, START / 1000 + 9_000);
         assert!(holds.is_empty());
         holds.add(Hold {
             tokens: 100,
-            until: 9_000,
+            until: t9,
         });
         holds.add(Hold {
             tokens: 40,
-            until: 5_000,
+            until: t5,
         });
         holds.add(Hold {
             tokens: 7,
-            until: 9_000,
+            until: t9,
         });
-        assert_eq!(holds.encode(&mut text), b"40 5000 107 9000");
+        let stored = format!("40 {t5} 107 {t9}");
+        assert_eq!(holds.encode(&mut text), stored.as_bytes());
         assert_eq!(Holds::parse(holds.encode(&mut text)), holds);
         assert_eq!(holds.tokens(), 147);
-        assert!(!holds.drop_closed(4_999));
-        assert!(holds.drop_closed(5_000));
+        assert!(!drop_not_counting(&mut holds, &clock(4.999)));
+        assert!(drop_not_counting(&mut holds, &clock(5.0)));
         assert_eq!(holds.tokens(), 107);
-        holds.release(9_000, 100);
+        holds.release(t9, 100);
         assert_eq!(holds.tokens(), 7);
-        holds.release(9_000, 1_000);
+        holds.release(t9, 1_000);
         assert_eq!(
             holds,
             Holds::default(),
@@ -765,6 +784,30 @@ mod tests {
         let many = &many[..many.len() - 1];
         assert_eq!(Holds::parse(many).tokens(), 45);
         assert_eq!(Holds::parse(many).encode(&mut text), many);
+    }
+
+    #[test]
+    fn holds_are_trusted_up_to_the_end_of_the_window_after_next() {
+        // A hold made now ends by the end of the next window; one made in the next window
+        // (a clock a little ahead, whose counts are kept too) by the end of the one after.
+        for offset in [0.0, 30.0, 59.999] {
+            let c = clock(offset);
+            let latest = c.trusted_until();
+            assert_eq!(latest, START / 1000 + 180_000);
+            let ahead = Clock::new(W, c.now_micros + W * 1_000_000);
+            assert!(c.hold_expires_at(None) < latest);
+            assert_eq!(ahead.hold_expires_at(None), latest);
+            let text = format!("5 {latest} 7 {} 11 {}", latest + 1, i64::MAX);
+            let mut holds = Holds::parse(text.as_bytes());
+            assert_eq!(holds.tokens(), 23);
+            assert!(drop_not_counting(&mut holds, &c), "{offset}");
+            assert_eq!(holds.tokens(), 5, "a later end holds nothing: {offset}");
+            assert!(!drop_not_counting(&mut holds, &c), "{offset}");
+        }
+        // Once the clock moves into the next window, the bound moves with it.
+        let mut holds = Holds::parse(format!("7 {}", START / 1000 + 180_001).as_bytes());
+        assert!(!drop_not_counting(&mut holds, &clock(60.0)));
+        assert_eq!(holds.tokens(), 7);
     }
 
     #[test]
