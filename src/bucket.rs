@@ -2,6 +2,7 @@
 //! `lua/token_bucket.lua` on the same hash (`tokens`, `ts`), and QAG.REFUND, the twin of
 //! `lua/token_refund.lua`.
 
+use qag_core::replay::IdArg;
 use std::ffi::CStr;
 
 use qag_core::args::ArgList;
@@ -76,16 +77,16 @@ impl<'a> Bucket<'a> {
         &self,
         ctx: &Ctx,
         args: &RawArgs,
-        id: Option<(&str, usize)>,
+        id: Option<(&str, IdArg)>,
         now_micros: i64,
     ) -> (Option<State>, Option<RequestId>) {
         let now = bucket::seconds_from_micros(now_micros);
-        let Some((command, index)) = id else {
+        let Some((command, id)) = id else {
             return (self.stored(now), None);
         };
-        let field = RequestId::field(ctx, command, args, index);
+        let field = RequestId::field(ctx, command, args, id.index);
         let [tokens, ts, value] = self.key.hash_get([TOKENS.raw(), TS.raw(), field.raw]);
-        let id = RequestId::found(field, value, now_micros / 1000);
+        let id = RequestId::found(field, value, id, now_micros / 1000);
         (self.state_of(tokens, ts, now), Some(id))
     }
 

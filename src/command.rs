@@ -189,8 +189,15 @@ impl Arg {
     }
 }
 
-/// `[ID request-id]`, on every command that counts.
-pub const ID_ARG: Arg = Arg::string(c"request-id").token(c"ID").optional();
+/// `[ID request-id [KEEP seconds]]`, on every command that counts.
+pub const ID_ARG: Arg = Arg::block(
+    c"id",
+    &[
+        Arg::string(c"request-id").token(c"ID"),
+        Arg::integer(c"seconds").token(c"KEEP").optional(),
+    ],
+)
+.optional();
 
 /// `args` as the server's argument table: NULL-name terminated arrays, nested ones kept
 /// alive in `arena` until the server has copied them.

@@ -174,7 +174,7 @@ impl Command for Add {
         let now_millis = ctx.now_micros() / 1000;
         let id = call
             .id
-            .map(|index| RequestId::read(ctx, &quota.key, "quota.add", args, index, now_millis));
+            .map(|id| RequestId::read(ctx, &quota.key, "quota.add", args, id, now_millis));
         if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
             return Ok(reply);
         }

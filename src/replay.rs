@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use qag_core::args::ArgList;
-use qag_core::replay::{self, Answer, AnswerRef, Record, Reserved};
+use qag_core::replay::{self, Answer, AnswerRef, IdArg, Record, Reserved};
 
 use crate::command::{Ctx, RawArgs, Reply, Row};
 use crate::key::{Key, OwnedString, RawString};
@@ -23,14 +23,24 @@ fn ttl_millis() -> i64 {
     ID_SECONDS.load(Ordering::Relaxed) * 1000
 }
 
+/// How long a call's id is remembered: its KEEP, at most ID-SECONDS; else ID-SECONDS.
+fn keep_millis(keep_seconds: Option<i64>) -> i64 {
+    let ttl = ttl_millis();
+    keep_seconds.map_or(ttl, |seconds| seconds.saturating_mul(1000).min(ttl))
+}
+
 /// How long a key that remembers ids is kept at the most from now: ID-SECONDS, rounded
 /// up to a quarter of it (whole seconds), so that a busy key's expiry moves, and is
 /// replicated, once a step rather than on every call; an idle key outlives its last id
 /// by a quarter of ID-SECONDS at the most.
 pub fn keep_until(now_millis: i64) -> i64 {
-    let ttl = ttl_millis();
-    let step = (ttl / 4000).max(1) * 1000;
-    (now_millis + ttl).div_euclid(step) * step + step
+    keep_for(now_millis, ttl_millis())
+}
+
+/// As [`keep_until`], for an id remembered `keep` ms (a call's KEEP).
+fn keep_for(now_millis: i64, keep: i64) -> i64 {
+    let step = (keep / 4000).max(1) * 1000;
+    (now_millis + keep).div_euclid(step) * step + step
 }
 
 /// What a call remembers in its key: the id's field to write with the call's own, and
@@ -55,21 +65,23 @@ pub struct RequestId {
     pick: u64,
     /// The reply remembered under it, when the call is a replay.
     remembered: Option<Reply>,
+    /// How long the call's reply is to be remembered (ms).
+    keep: i64,
 }
 
 impl RequestId {
-    /// Reads the id at argument `index` of a call of `command` from `key`.
+    /// Reads the id `id` of a call of `command` from `key`.
     pub fn read(
         ctx: &Ctx,
         key: &Key,
         command: &str,
         args: &RawArgs,
-        index: usize,
+        id: IdArg,
         now_millis: i64,
     ) -> RequestId {
-        let field = RequestId::field(ctx, command, args, index);
+        let field = RequestId::field(ctx, command, args, id.index);
         let [value] = key.hash_get([field.raw]);
-        RequestId::found(field, value, now_millis)
+        RequestId::found(field, value, id, now_millis)
     }
 
     /// The field of the id at argument `index` of a call of `command`, for a caller that
@@ -80,14 +92,20 @@ impl RequestId {
         })
     }
 
-    /// The id, from its field's value as read.
-    pub fn found(field: OwnedString, value: Option<OwnedString>, now_millis: i64) -> RequestId {
+    /// The id `id`, from its field's value as read.
+    pub fn found(
+        field: OwnedString,
+        value: Option<OwnedString>,
+        id: IdArg,
+        now_millis: i64,
+    ) -> RequestId {
         let remembered = replay::remembered(value.as_ref().map(OwnedString::bytes), now_millis)
             .map(|record| reply_of(record.answer));
         RequestId {
             pick: replay::pick(field.bytes(), now_millis),
             field,
             remembered,
+            keep: keep_millis(id.keep_seconds),
         }
     }
 
@@ -100,7 +118,7 @@ impl RequestId {
         self.remembered
     }
 
-    /// Remembers `reply` under the id until ID-SECONDS from now: the fields to write
+    /// Remembers `reply` under the id until its KEEP (or ID-SECONDS) from now: the fields to write
     /// with the call's own. Looks through the key's ids first, and removes those
     /// forgotten, about once in as many calls as the key has fields, and at its cap.
     pub fn remember(self, ctx: &Ctx, key: &mut Key, reply: &Reply, now_millis: i64) -> Remembered {
@@ -108,8 +126,8 @@ impl RequestId {
         self.remember_holding(ctx, key, reply, None, now_millis, i64::MIN)
     }
 
-    /// Remembers `reply` and the reservation `hold` the call made, until ID-SECONDS from
-    /// now or, when later, until the hold stops counting. `trusted_until`: the latest a
+    /// Remembers `reply` and the reservation `hold` the call made, until its KEEP (or
+    /// ID-SECONDS) from now or, when later, until the hold stops counting. `trusted_until`: the latest a
     /// reservation the key remembers may end (a window's `Clock::trusted_until`), for the
     /// look through its ids.
     pub fn remember_holding(
@@ -134,13 +152,13 @@ impl RequestId {
             let forget = replay::prune(ids, now_millis, most);
             key.delete_fields(&forget.iter().map(|name| name.raw).collect::<Vec<_>>());
         }
-        let forget_at = (now_millis + ttl_millis()).max(hold.map_or(0, |h| h.until));
+        let forget_at = (now_millis + self.keep).max(hold.map_or(0, |h| h.until));
         let record = OwnedString::from_text(ctx, |text| {
             replay::encode(text, forget_at, answer_of(reply), hold)
         });
         Remembered {
             id: (self.field, record),
-            keep_until: keep_until(now_millis).max(forget_at),
+            keep_until: keep_for(now_millis, self.keep).max(forget_at),
         }
     }
 }

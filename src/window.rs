@@ -10,7 +10,7 @@ use qag_core::number::stored_count;
 use qag_core::window::{self, Clock, Counters, FieldName, Hold, Holds, Kind};
 
 use qag_core::args::ArgList;
-use qag_core::replay::{self as replay_core, Reserved};
+use qag_core::replay::{self as replay_core, IdArg, Reserved};
 use redis_module::raw;
 
 use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
@@ -112,25 +112,29 @@ impl<'ctx> Chain<'ctx> {
         args: &RawArgs,
         keys: impl Iterator<Item = usize>,
         window_seconds: i64,
-        id: Option<(&str, usize)>,
+        id: Option<(&str, IdArg)>,
     ) -> Result<(Chain<'ctx>, Option<RequestId>), CommandError> {
         let clock = Clock::new(window_seconds, ctx.now_micros());
         let keys = keys
             .map(|index| Key::open(ctx, args.string(index), Access::ReadWrite, ValueType::Hash))
             .collect::<Result<Vec<_>, _>>()?;
         let fields = Fields::new(clock);
-        let id_field = id.map(|(command, index)| RequestId::field(ctx, command, args, index));
+        let id_field = id.map(|(command, id)| (RequestId::field(ctx, command, args, id.index), id));
         let mut id_value = None;
         let scopes = keys
             .iter()
             .enumerate()
             .map(|(i, key)| {
                 let id = id_field.as_ref().filter(|_| i == 0);
-                Scope::read(key, &fields, id.map(|field| (field.raw, &mut id_value)))
+                Scope::read(
+                    key,
+                    &fields,
+                    id.map(|(field, _)| (field.raw, &mut id_value)),
+                )
             })
             .collect::<Vec<Scope>>();
         let now = clock.now_micros / 1000;
-        let id = id_field.map(|field| RequestId::found(field, id_value, now));
+        let id = id_field.map(|(field, id)| RequestId::found(field, id_value, id, now));
         let chain = Chain {
             keys,
             scopes,
@@ -393,7 +397,10 @@ impl Command for Admit {
         });
         let now_millis = chain.now_millis();
         let trusted_until = chain.fields.trusted_until;
-        let remembered = id.map(|id| {
+        // A refused reservation holds nothing and is not remembered: the request may
+        // reserve again under its id once tokens are free (its retry is no replay).
+        let remembered = id.filter(|_| admission.admitted || call.reserve == 0);
+        let remembered = remembered.map(|id| {
             id.remember_holding(
                 ctx,
                 &mut chain.keys[0],
@@ -464,9 +471,9 @@ impl Command for Record {
         // Looked for before the call's own id: a plain record on another chain may have
         // used that id in this key, and must not stand for the commit.
         let keys = replay_core::chain_of(call.keys.iter().map(|key| args.get(*key)));
-        let reservation = call.id.and_then(|index| {
+        let reservation = call.id.and_then(|id| {
             let first = &chain.keys[0];
-            Reservation::find(ctx, first, args, index, keys, now_millis, trusted_until)
+            Reservation::find(ctx, first, args, id.index, keys, now_millis, trusted_until)
         });
         match &reservation {
             // The commit's count covered it: the commit sent again (a replay), or a

@@ -346,7 +346,7 @@ fn command_docs_list_every_argument() {
     let mut con = t.con();
     let quota = "key:key per:oneof:PER[day:pure-token:day month:pure-token:month] zone:string:TZ calls:integer:CALLS:optional rows:integer:ROWS:optional";
     let peek = "key:key count:integer period:double cost:integer:COST:optional";
-    let id = "request-id:string:ID:optional";
+    let id = "id:block:optional[request-id:string:ID seconds:integer:KEEP:optional]";
     let take = format!("{peek} {id}");
     let quota_add = format!("{quota} {id}");
     let take2 = format!("ckey:key ccount:integer cperiod:double kkey:key kcount:integer kperiod:double cost:integer:COST:optional {id}");

@@ -483,6 +483,104 @@ fn calls_without_an_id_keep_a_key_for_the_ids_it_remembers() {
     server.shutdown();
 }
 
+/// `ID id KEEP seconds`: the id remembered that long (at most ID-SECONDS), and its key
+/// kept no longer for it, so a caller that replays only within seconds (the clients'
+/// own ids) does not make a hot key remember its ids for minutes (issue 37).
+/// A refused reservation holds nothing and remembers nothing: the same request reserves
+/// again under its id once tokens are free (issue 34); a refused plain ADMIT is still a
+/// remembered refusal.
+#[test]
+fn a_refused_reservation_forgets_its_id() {
+    let mut t = Target::new();
+    let mut con = t.con();
+    let w = t.key("w");
+    let run = |con: &mut Connection, line: &str| value(&send_line(con, line));
+    run(
+        &mut con,
+        &format!("QAG.ADMIT 1 {w} 0 1000 RESERVE 900 ID a WINDOW 3600"),
+    );
+    let before = state(&mut con, &w);
+    let refused = run(
+        &mut con,
+        &format!("QAG.ADMIT 1 {w} 0 1000 RESERVE 200 ID b WINDOW 3600"),
+    );
+    assert!(refused.starts_with("Ok(array([int(0)"), "{refused}");
+    assert_eq!(
+        state(&mut con, &w),
+        before,
+        "nothing written, the id neither"
+    );
+    run(&mut con, &format!("QAG.RECORD 1 {w} 0 ID a WINDOW 3600"));
+    let again = run(
+        &mut con,
+        &format!("QAG.ADMIT 1 {w} 0 1000 RESERVE 200 ID b WINDOW 3600"),
+    );
+    assert!(
+        again.starts_with("Ok(array([int(1)"),
+        "reserved on its retry: {again}"
+    );
+    assert_eq!(held(&mut con, &w), 200);
+}
+
+#[test]
+fn an_id_with_keep_is_remembered_that_long_and_keeps_its_key_no_longer() {
+    if external("an_id_with_keep_is_remembered_that_long_and_keeps_its_key_no_longer") {
+        return;
+    }
+    let server = server_with(&["ID-SECONDS", "30"]);
+    let mut con = server.client().get_connection().unwrap();
+    let ttl = |con: &mut Connection, key: &str| -> i64 { cmd("PTTL").arg(key).query(con).unwrap() };
+    let quota = "QAG.QUOTA.ADD q PER day TZ UTC CALLS 1 ID a KEEP 1";
+    let first = value(&send_line(&mut con, quota));
+    assert_eq!(
+        value(&send_line(&mut con, quota)),
+        first,
+        "a replay within its KEEP"
+    );
+    let take = "QAG.TAKE b 10 1 ID a KEEP 1";
+    let taken = value(&send_line(&mut con, take));
+    assert_eq!(value(&send_line(&mut con, take)), taken);
+    // A full bucket of a second's period, kept for its id's second (rounded up to a
+    // whole second), not for ID-SECONDS.
+    assert!(ttl(&mut con, "b") <= 2_100, "b: {}", ttl(&mut con, "b"));
+    std::thread::sleep(std::time::Duration::from_millis(1_100));
+    let again = value(&send_line(&mut con, quota));
+    assert_ne!(again, first, "forgotten after its KEEP: counted again");
+    let usage: Vec<i64> = cmd("QAG.QUOTA.ADD")
+        .arg("q")
+        .arg("PER")
+        .arg("day")
+        .arg("TZ")
+        .arg("UTC")
+        .arg("CALLS")
+        .arg(0)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(usage[0], 2);
+    // A KEEP longer than ID-SECONDS is ID-SECONDS.
+    send_line(
+        &mut con,
+        "QAG.QUOTA.ADD q2 PER day TZ UTC CALLS 1 ID a KEEP 86400",
+    )
+    .unwrap();
+    let record: String = cmd("HGET")
+        .arg("q2")
+        .arg("id:quota.add:a")
+        .query(&mut con)
+        .unwrap();
+    let forget_at: i64 = record.split(' ').next().unwrap().parse().unwrap();
+    let (now, _): (i64, i64) = cmd("TIME").query(&mut con).unwrap();
+    assert!(forget_at <= (now + 31) * 1000, "{record}");
+    // Bad KEEPs are refused and write nothing.
+    for bad in ["KEEP 0", "KEEP 86401", "KEEP x", "KEEP"] {
+        let line = format!("QAG.TAKE fresh 10 1 ID z {bad}");
+        assert!(send_line(&mut con, &line).is_err(), "{line}");
+    }
+    let exists: i64 = cmd("EXISTS").arg("fresh").query(&mut con).unwrap();
+    assert_eq!(exists, 0);
+    server.shutdown();
+}
+
 #[test]
 fn ids_expire_and_never_grow_a_key_without_bound() {
     if external("ids_expire_and_never_grow_a_key_without_bound") {

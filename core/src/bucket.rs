@@ -234,7 +234,7 @@ pub fn parse_limit<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<Limit,
 fn parse_options<L: ArgList + ?Sized>(
     args: &mut Args<'_, L>,
     ids: bool,
-) -> Result<(i64, Option<usize>), ArgError> {
+) -> Result<(i64, Option<replay::IdArg>), ArgError> {
     if args.remaining() == 0 {
         return Ok((1, None));
     }
@@ -259,13 +259,13 @@ pub struct TakeArgs {
     pub limit: Limit,
     pub cost: i64,
     /// The argument holding the request id, when given.
-    pub id: Option<usize>,
+    pub id: Option<replay::IdArg>,
 }
 
 /// QAG.TAKE's arguments (`ids`), or QAG.PEEK's, which counts nothing and takes no id.
 pub fn parse_take<L: ArgList + ?Sized>(list: &L, ids: bool) -> Result<TakeArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(3, 7)?;
+    args.expect_count(3, 9)?;
     let key = args.key()?;
     let limit = parse_limit(&mut args)?;
     let (cost, id) = parse_options(&mut args, ids)?;
@@ -286,7 +286,7 @@ pub struct TakePairArgs {
 
 pub fn parse_take_pair<L: ArgList + ?Sized>(list: &L) -> Result<TakePairArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(6, 10)?;
+    args.expect_count(6, 12)?;
     let client_key = args.key()?;
     let client_limit = parse_limit(&mut args)?;
     let key_key = args.key()?;
@@ -314,19 +314,19 @@ pub struct RefundArgs {
     pub key: usize,
     pub limit: Limit,
     pub amount: i64,
-    pub id: Option<usize>,
+    pub id: Option<replay::IdArg>,
 }
 
 pub fn parse_refund<L: ArgList + ?Sized>(list: &L) -> Result<RefundArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(4, 6)?;
+    args.expect_count(4, 8)?;
     let key = args.key()?;
     let limit = parse_limit(&mut args)?;
     let amount = args.integer("n", 1, i64::MAX)?;
-    let id = match args.option(&["ID"], "ID request-id")? {
-        Some(_) => Some(replay::parse_id(&mut args)?),
-        None => None,
-    };
+    let mut id = None;
+    while args.option(&["ID"], "ID request-id")?.is_some() {
+        set_once(&mut id, replay::parse_id(&mut args)?, "ID")?;
+    }
     Ok(RefundArgs {
         key,
         limit,
@@ -436,10 +436,49 @@ mod tests {
 
     #[test]
     fn ids_are_taken_by_take_but_not_by_peek() {
+        let index = |id: Option<replay::IdArg>| id.map(|id| id.index);
         let t = parse(|l| parse_take(l, true), "TAKE k 60 60 ID req-1 COST 2").unwrap();
-        assert_eq!((t.cost, t.id), (2, Some(5)));
+        assert_eq!((t.cost, index(t.id)), (2, Some(5)));
         let t = parse(|l| parse_take(l, true), "TAKE k 60 60 id x").unwrap();
-        assert_eq!((t.cost, t.id), (1, Some(5)));
+        assert_eq!((t.cost, index(t.id)), (1, Some(5)));
+        // KEEP right after the id: how long it is remembered.
+        let t = parse(|l| parse_take(l, true), "TAKE k 60 60 ID x keep 5 COST 2").unwrap();
+        let keep = replay::IdArg {
+            index: 5,
+            keep_seconds: Some(5),
+        };
+        assert_eq!((t.cost, t.id), (2, Some(keep)));
+        let t = parse(|l| parse_take(l, true), "TAKE k 60 60 ID KEEP KEEP 86400").unwrap();
+        assert_eq!(t.id.and_then(|id| id.keep_seconds), Some(86_400));
+        for (text, error) in [
+            (
+                "TAKE k 60 60 ID x KEEP 0",
+                "ERR KEEP must be an integer from 1 to 86400",
+            ),
+            (
+                "TAKE k 60 60 ID x KEEP 86401",
+                "ERR KEEP must be an integer from 1 to 86400",
+            ),
+            (
+                "TAKE k 60 60 ID x KEEP 1.5",
+                "ERR KEEP must be an integer from 1 to 86400",
+            ),
+            ("TAKE k 60 60 ID x KEEP", "ERR wrong number of arguments"),
+            (
+                "TAKE k 60 60 KEEP 5",
+                "ERR syntax error: expected COST n or ID request-id",
+            ),
+            (
+                "TAKE k 60 60 ID x KEEP 5 KEEP 5",
+                "ERR syntax error: expected COST n or ID request-id",
+            ),
+        ] {
+            assert_eq!(
+                parse(|l| parse_take(l, true), text).err().as_deref(),
+                Some(error),
+                "{text}"
+            );
+        }
         assert_eq!(
             parse(|l| parse_take(l, true), "TAKE k 60 60").unwrap().id,
             None
@@ -465,11 +504,12 @@ mod tests {
         );
         let p = parse(|l| parse_take_pair(l), "TAKE2 c 1 1 k 2 2 ID r COST 3").unwrap();
         assert_eq!(
-            (p.client.id, p.key.id, p.client.cost),
+            (index(p.client.id), index(p.key.id), p.client.cost),
             (Some(8), Some(8), 3)
         );
-        let r = parse(|l| parse_refund(l), "REFUND k 60 60 2 ID r").unwrap();
-        assert_eq!((r.amount, r.id), (2, Some(6)));
+        let r = parse(|l| parse_refund(l), "REFUND k 60 60 2 ID r KEEP 9").unwrap();
+        assert_eq!((r.amount, index(r.id)), (2, Some(6)));
+        assert_eq!(r.id.and_then(|id| id.keep_seconds), Some(9));
     }
 
     #[test]
@@ -491,6 +531,10 @@ mod tests {
             ),
             (
                 "TAKE2 c 10 1 k 60 60 COST 1 ID a COST 2",
+                "ERR COST given more than once",
+            ),
+            (
+                "TAKE2 c 10 1 k 60 60 COST 1 ID a KEEP 1 COST 2",
                 "ERR wrong number of arguments",
             ),
             (
@@ -850,7 +894,14 @@ mod tests {
                 "ERR syntax error: expected ID request-id",
             ),
             ("REFUND k 60 60 1 ID", "ERR wrong number of arguments"),
-            ("REFUND k 60 60 1 ID a b", "ERR wrong number of arguments"),
+            (
+                "REFUND k 60 60 1 ID a b",
+                "ERR syntax error: expected ID request-id",
+            ),
+            (
+                "REFUND k 60 60 1 ID a KEEP 5 c",
+                "ERR wrong number of arguments",
+            ),
             (
                 "REFUND k 60 60 0",
                 "ERR n must be an integer from 1 to 9223372036854775807",

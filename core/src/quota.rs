@@ -300,7 +300,7 @@ pub struct QuotaArgs {
     pub calls: Option<i64>,
     pub rows: Option<i64>,
     /// The argument holding the request id, when given (QAG.QUOTA.ADD only).
-    pub id: Option<usize>,
+    pub id: Option<crate::replay::IdArg>,
 }
 
 impl QuotaArgs {
@@ -324,7 +324,7 @@ impl QuotaArgs {
 /// `ID request-id`.
 pub fn parse_quota<L: ArgList + ?Sized>(list: &L, ids: bool) -> Result<QuotaArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(5, 11)?;
+    args.expect_count(5, 13)?;
     let key = args.key()?;
     let (mut per, mut zone, mut calls, mut rows, mut id) = (None, None, None, None, None);
     let (options, expected): (&[&str], _) = match ids {
@@ -663,7 +663,8 @@ mod tests {
             .split(' ')
             .map(str::as_bytes)
             .collect();
-        assert_eq!(parse_quota(&words[..], true).unwrap().id, Some(9));
+        let id = parse_quota(&words[..], true).unwrap().id;
+        assert_eq!(id.map(|id| id.index), Some(9));
         assert_eq!(parse_quota(&words[..], true).unwrap().calls, Some(1));
         assert_eq!(
             parse_quota(&words[..], false).err().map(|e| e.to_string()),

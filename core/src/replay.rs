@@ -351,8 +351,21 @@ pub fn pick(id: &[u8], now: i64) -> u64 {
     x ^ x >> 33
 }
 
-/// `ID request-id`'s value, the word ID already read: 1 to MAX_ID_BYTES bytes.
-pub fn parse_id<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<usize, ArgError> {
+/// A call's `ID request-id [KEEP seconds]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdArg {
+    /// The argument holding the request id.
+    pub index: usize,
+    /// How long the call asks its id remembered (the module keeps it at most
+    /// ID-SECONDS); None: ID-SECONDS. A caller that replays only within seconds (a
+    /// client library resending a call whose reply it lost) need not make its key
+    /// remember the id for minutes.
+    pub keep_seconds: Option<i64>,
+}
+
+/// `ID request-id [KEEP seconds]`, the word ID already read: the id 1 to MAX_ID_BYTES
+/// bytes, KEEP 1 to a day.
+pub fn parse_id<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<IdArg, ArgError> {
     let (index, id) = args.string_and_bytes()?;
     if id.is_empty() || id.len() > MAX_ID_BYTES {
         return Err(ArgError::Text {
@@ -360,7 +373,17 @@ pub fn parse_id<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<usize, Ar
             rule: "1 to 128 bytes",
         });
     }
-    Ok(index)
+    let keep_seconds = match args.ahead(0) {
+        Some(word) if word.eq_ignore_ascii_case(b"KEEP") => {
+            args.string()?;
+            Some(args.integer("KEEP", 1, crate::load::MAX_ID_SECONDS)?)
+        }
+        _ => None,
+    };
+    Ok(IdArg {
+        index,
+        keep_seconds,
+    })
 }
 
 #[cfg(test)]

@@ -364,7 +364,7 @@ pub struct AdmitArgs {
     /// Tokens to hold on every scope when admitted; 0 for no reservation.
     pub reserve: i64,
     /// The argument holding the request id (required with RESERVE).
-    pub id: Option<usize>,
+    pub id: Option<replay::IdArg>,
     /// HOLD: how long the reservation may stay open at most.
     pub hold_millis: Option<i64>,
 }
@@ -375,7 +375,7 @@ pub struct RecordArgs {
     pub keys: Vec<usize>,
     pub tokens: i64,
     pub window_seconds: i64,
-    pub id: Option<usize>,
+    pub id: Option<replay::IdArg>,
     /// PARTIAL: charge now and shrink the reservation, keeping it open.
     pub partial: bool,
 }
@@ -438,7 +438,7 @@ pub fn parse_admit<L: ArgList + ?Sized>(list: &L) -> Result<AdmitArgs, ArgError>
     let options = ["WINDOW", "RESERVE", "ID", "HOLD"];
     let shape = Options {
         words: &options,
-        most: 8,
+        most: 10,
         misplaced: &[false, true, true],
     };
     let n = scope_count(&mut args, 3, 0, &shape)?;
@@ -500,7 +500,7 @@ pub fn parse_record<L: ArgList + ?Sized>(list: &L) -> Result<RecordArgs, ArgErro
     let options = ["WINDOW", "ID", "PARTIAL"];
     let shape = Options {
         words: &options,
-        most: 5,
+        most: 7,
         misplaced: &[true],
     };
     let n = scope_count(&mut args, 1, 1, &shape)?;
@@ -815,13 +815,23 @@ mod tests {
         let a =
             parse_a("ADMIT 2 org 0 1000 key 5 500 RESERVE 300 ID r1 HOLD 2000 WINDOW 30").unwrap();
         assert_eq!(
-            (a.reserve, a.id, a.hold_millis, a.window_seconds),
+            (
+                a.reserve,
+                a.id.map(|id| id.index),
+                a.hold_millis,
+                a.window_seconds
+            ),
             (300, Some(11), Some(2000), 30)
         );
         let a = parse_a("ADMIT 1 k 1 1 ID r1").unwrap();
-        assert_eq!((a.reserve, a.id), (0, Some(6)));
+        assert_eq!((a.reserve, a.id.map(|id| id.index)), (0, Some(6)));
         let r = parse_r("RECORD 2 org key 250 ID r1 PARTIAL").unwrap();
-        assert_eq!((r.tokens, r.id, r.partial), (250, Some(6), true));
+        assert_eq!(
+            (r.tokens, r.id.map(|id| id.index), r.partial),
+            (250, Some(6), true)
+        );
+        let r = parse_r("RECORD 1 k 5 ID r KEEP 10 WINDOW 5").unwrap();
+        assert_eq!(r.id.and_then(|id| id.keep_seconds), Some(10));
         let r = parse_r("RECORD 1 k 5 PARTIAL ID r1 WINDOW 5").unwrap();
         assert_eq!((r.partial, r.window_seconds), (true, 5));
         for (text, error) in [
@@ -851,6 +861,10 @@ mod tests {
             ("RECORD 1 k 5 PARTIAL PARTIAL ID r", "ERR PARTIAL given more than once"),
             (
                 "RECORD 1 k 5 ID r WINDOW 5 PARTIAL x",
+                "ERR syntax error: expected WINDOW seconds, ID request-id or PARTIAL",
+            ),
+            (
+                "RECORD 1 k 5 ID r KEEP 9 WINDOW 5 PARTIAL x",
                 "ERR numscopes does not match the number of arguments",
             ),
             // A numscopes too small: a scope's words, not options, follow the scopes.

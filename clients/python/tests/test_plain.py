@@ -450,3 +450,31 @@ def test_local_counting_begins_from_what_redis_last_said() -> None:
     assert admitted == [True, True, True, False, False]
     # The next window begins from nothing.
     assert state.windows.admit([Scope("org", 10, 0)], 60, now + 60, 1.0).admitted
+
+
+def test_a_spend_calls_own_id_is_kept_briefly_and_an_older_module_is_asked_without() -> None:
+    from qag_client import QagServerError
+
+    engine = module_engine()
+    quota = Quota("day", calls=5)
+    flow = engine.quota_count("QAG.QUOTA.ADD", "q", quota, 1, 0, "i", 10)
+    _, sent = drive(flow, lambda _, n: [1, 0, 9])
+    assert sent[0].words[-4:] == ("ID", "i", "KEEP", 10)
+    # A module older than KEEP refuses it, writing nothing: sent again without, and
+    # that server is not asked with KEEP again (until a new connection).
+    older = QagServerError("ERR syntax error: expected WINDOW seconds, ID request-id or PARTIAL")
+    engine = module_engine()
+    answer, sent = drive(
+        engine.record(["w"], 5, None, "j", 10), lambda _, n: older if n == 1 else 1
+    )
+    assert answer == 1 and [request.words[-2:] for request in sent] == [("KEEP", 10), ("ID", "j")]
+    _, sent = drive(engine.record(["w"], 5, None, "k", 10), lambda _, n: 1)
+    assert sent[0].words[-2:] == ("ID", "k")
+    engine.forget_presence()  # a new connection: asked again
+    engine.presence = "present"
+    _, sent = drive(engine.record(["w"], 5, None, "l", 10), lambda _, n: 1)
+    assert sent[0].words[-2:] == ("KEEP", 10)
+    # Any other error is the call's.
+    wrong = QagServerError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    failed, sent = drive(module_engine().record(["w"], 5, None, "m", 10), lambda _, n: wrong)
+    assert failed is wrong and len(sent) == 1

@@ -82,3 +82,26 @@ def test_a_refused_lease_renders_retry_after_one(
         ("x-ratelimit-key-remaining", "59"),
         ("retry-after", "1"),
     ]
+
+
+def test_spend_through_the_defaults_remembers_its_own_ids_seconds_not_minutes(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    """Issue 37: a quota add and a record through the defaults send the limiter's own id
+    with KEEP (it is replayed within the call only), so a hot key remembers its ids for
+    seconds; a caller's id is remembered ID-SECONDS (300), for the gateway's retries."""
+    server = start_server()
+    raw = server.client()
+    limiter = make_limiter(server)
+    limiter.quota_add("qag:quota:k", Quota("month"), calls=1)
+    limiter.record(["qag:win:{k}:key"], 5)
+    limiter.quota_add("qag:quota:mine", Quota("month"), calls=1, request_id="gateway-7")
+    now_ms = int(raw.time()[0]) * 1000
+
+    def forgotten_in(key: str) -> int:
+        [record] = [value for name, value in raw.hgetall(key).items() if name.startswith(b"id:")]
+        return int(record.split(b" ")[0]) - now_ms
+
+    assert forgotten_in("qag:quota:k") <= 12_000
+    assert forgotten_in("qag:win:{k}:key") <= 12_000
+    assert 290_000 <= forgotten_in("qag:quota:mine") <= 301_000

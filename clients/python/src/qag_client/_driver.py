@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -81,6 +82,8 @@ DEFAULT_MAX_CONNECTIONS = 100
 OVERDUE_GRACE = 0.05
 # The wait before a request answered TRYAGAIN (a slot in migration) is sent again.
 TRY_AGAIN_WAIT = 0.01
+# The least a spend call's own id is remembered (its KEEP, seconds).
+OWN_ID_KEEP = 10
 
 
 # What a driven call asks of its I/O layer.
@@ -551,11 +554,13 @@ class Driver(Generic[LeaseT, ReservationT]):
         request_id: Optional[str] = None,
     ) -> Driven[d.QuotaUsage]:
         d.quota_count_words("QAG.QUOTA.ADD", key, quota, calls, rows)
-        rid = d.request_id_of(request_id)
+        rid, keep = d.request_id_of(request_id), self._own_keep(request_id)
         return (
             yield from self._call(
                 [key],
-                lambda node: node.engine.quota_count("QAG.QUOTA.ADD", key, quota, calls, rows, rid),
+                lambda node: node.engine.quota_count(
+                    "QAG.QUOTA.ADD", key, quota, calls, rows, rid, keep
+                ),
             )
         )
 
@@ -588,12 +593,20 @@ class Driver(Generic[LeaseT, ReservationT]):
         request_id: Optional[str] = None,
     ) -> Driven[int]:
         d.record_words(keys, tokens, window)
-        rid = d.request_id_of(request_id)
+        rid, keep = d.request_id_of(request_id), self._own_keep(request_id)
         return (
             yield from self._call(
-                list(keys), lambda node: node.engine.record(keys, tokens, window, rid)
+                list(keys), lambda node: node.engine.record(keys, tokens, window, rid, keep)
             )
         )
+
+    def _own_keep(self, request_id: Optional[str]) -> Optional[int]:
+        """The KEEP of the limiter's own id (None: the caller's, remembered ID-SECONDS):
+        it is replayed within the call only, so a few seconds more than the call can
+        take."""
+        if request_id is not None:
+            return None
+        return min(max(OWN_ID_KEEP, math.ceil(self._queue_timeout + self._deadline) + 1), 86_400)
 
     def reserve(
         self,

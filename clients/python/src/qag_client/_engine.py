@@ -336,6 +336,8 @@ class Engine:
     wall: Callable[[], float] = time.time
     # "unknown", "present" or "missing".
     presence: str = "unknown"
+    # Whether the server's module takes KEEP after an id (None: not known yet).
+    keeps: Optional[bool] = None
     missing_since: float = 0.0
     local: LocalState = field(default_factory=LocalState)
     tally: Tally = field(default_factory=Tally)
@@ -550,6 +552,7 @@ class Engine:
     def forget_presence(self) -> None:
         """A new connection, or a failed one: the next call asks the server again."""
         self.presence = "unknown"
+        self.keeps = None
 
     def note_missing(self) -> None:
         self.presence = "missing"
@@ -709,6 +712,25 @@ class Engine:
                 "the qag module is required and the server does not have it"
             ) from error
 
+    def _spend(self, words: List[Any], keep: Optional[int]) -> Flow[Any]:
+        """A spend call's words, ending with its id; with ``keep`` (the limiter's own id,
+        replayed only within the call), ``KEEP keep`` after it, so the key remembers the
+        id seconds, not ID-SECONDS. A module older than KEEP refuses it, writing
+        nothing: the call is sent again without, and this server is not asked again."""
+        if keep is None or self.keeps is False:
+            return (yield from self.module_only(words, replayable=True))
+        try:
+            reply = yield from self.module_only(words + ["KEEP", keep], replayable=True)
+        except QagServerError as error:
+            # An older module reads KEEP as a word of the command's own.
+            refused = ("syntax error", "wrong number of arguments", "numscopes does not match")
+            if self.keeps is not None or not any(words in str(error) for words in refused):
+                raise
+            self.keeps = False
+            return (yield from self.module_only(words, replayable=True))
+        self.keeps = True
+        return reply
+
     # Leases.
 
     def lease(
@@ -807,16 +829,20 @@ class Engine:
         calls: int,
         rows: int,
         request_id: Optional[str] = None,
+        keep: Optional[int] = None,
     ) -> Flow[QuotaUsage]:
-        """QAG.QUOTA.ADD (with its id) or QAG.QUOTA.SEED (none: a seed counts the same
-        however often it runs)."""
+        """QAG.QUOTA.ADD (with its id, and ``keep``: the limiter's own id's KEEP) or
+        QAG.QUOTA.SEED (none: a seed counts the same however often it runs)."""
         words = d.quota_count_words(command, key, quota, calls, rows)
         if request_id is not None:
             words += ["ID", request_id]
         per, tz = quota.per, quota.tz
 
         def in_redis() -> Flow[QuotaUsage]:
-            reply = yield from self.module_only(words, replayable=request_id is not None)
+            if request_id is None:
+                reply = yield from self.module_only(words)
+            else:
+                reply = yield from self._spend(words, keep)
             usage = d.quota_usage(reply)
             with self._lock:
                 self.local.quotas.saw(key, usage.calls, usage.rows, usage.resets_at)
@@ -871,12 +897,17 @@ class Engine:
         return self._routed(in_redis(), Fallback(forwarded, local))
 
     def record(
-        self, keys: Sequence[str], tokens: int, window: Optional[int], request_id: str
+        self,
+        keys: Sequence[str],
+        tokens: int,
+        window: Optional[int],
+        request_id: str,
+        keep: Optional[int] = None,
     ) -> Flow[int]:
         words = d.record_words(keys, tokens, window) + ["ID", request_id]
 
         def in_redis() -> Flow[int]:
-            return int((yield from self.module_only(words, replayable=True)))
+            return int((yield from self._spend(words, keep)))
 
         def local(state: LocalState, now: float, share: float) -> int:
             return state.windows.record(keys, tokens, window or DEFAULT_WINDOW, now, share)
