@@ -491,7 +491,7 @@ fn calls_without_an_id_keep_a_key_for_the_ids_it_remembers() {
 /// remembered refusal.
 #[test]
 fn a_refused_reservation_forgets_its_id() {
-    let mut t = Target::new();
+    let t = Target::new();
     let mut con = t.con();
     let w = t.key("w");
     let run = |con: &mut Connection, line: &str| value(&send_line(con, line));
