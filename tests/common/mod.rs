@@ -752,3 +752,34 @@ pub fn held(con: &mut redis::Connection, key: &str) -> i64 {
         .map(|group| group[0])
         .sum()
 }
+
+/// A stopped server (SIGSTOP), continued when the test ends however it ends.
+pub struct Stopped(Option<u32>);
+
+impl Stopped {
+    pub fn new(server: &Server) -> Stopped {
+        signal("-STOP", server.pid());
+        Stopped(Some(server.pid()))
+    }
+
+    pub fn resume(&mut self) {
+        if let Some(pid) = self.0.take() {
+            signal("-CONT", pid);
+        }
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        self.resume();
+    }
+}
+
+pub fn signal(which: &str, pid: u32) {
+    let status = Command::new("kill")
+        .arg(which)
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {which} {pid}");
+}

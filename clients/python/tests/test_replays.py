@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import redis
@@ -420,6 +420,104 @@ def test_a_replica_promoted_between_the_call_and_its_replay_answers_the_replay(
     assert limiter.record([ORG, KEY], 250) == 2
     assert (tokens(new, ORG), tokens(new, KEY)) == (250, 250)
     assert through.sent("QAG.TAKE") == 2 and through.sent("QAG.RECORD") == 2
+
+
+def caught_up(primary: Server, replica: Server) -> None:
+    """Waits until ``replica`` has everything ``primary`` wrote (their offsets equal)."""
+    deadline = time.monotonic() + 10
+    while primary.client().info("replication")["master_repl_offset"] != replica.client().info(
+        "replication"
+    ).get("slave_repl_offset"):
+        assert time.monotonic() < deadline, "the replica never caught up"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_demoted_primary_is_a_failover_not_an_error(
+    start_server: Callable[..., Server], relay: Callable[[Server], Relay], kind: str
+) -> None:
+    """Issue 34: a manual failover while 50 callers run, the address (a relay, as a DNS
+    name or a managed endpoint) moved to the new primary: the old primary, demoted,
+    answers READONLY to the calls it held, each is sent once more on a fresh connection
+    and answered there. Every call is answered, each counted once (the tokens taken and
+    the quota's count are what the callers were told)."""
+    primary = start_server()
+    replica = start_server(extra=["--replicaof", "127.0.0.1", str(primary.port)])
+    deadline = time.monotonic() + 20
+    while replica.client().info("replication").get("master_link_status") != "up":
+        assert time.monotonic() < deadline, "the replica never synced"
+        time.sleep(0.05)
+    through = relay(primary)
+    # A refill of 0.01 a second: what the callers were told is what the bucket lost.
+    bucket = Bucket("qag:ratelimit:key:failover", 1_000_000, 10**8)
+    quota, quota_key = Quota("day", calls=1_000_000), "qag:quota:failover"
+    running = threading.Event()
+    running.set()
+
+    def fail_over() -> None:
+        time.sleep(0.3)
+        # The old primary holds writes while the replica catches up and takes over;
+        # then it follows it, and answers the writes it held READONLY.
+        primary.client().execute_command("CLIENT", "PAUSE", 5000, "WRITE")
+        caught_up(primary, replica)
+        replica.client().execute_command("REPLICAOF", "NO", "ONE")
+        through.target = replica.port
+        primary.client().execute_command("REPLICAOF", "127.0.0.1", str(replica.port))
+        primary.client().execute_command("CLIENT", "UNPAUSE")
+        time.sleep(0.5)
+        running.clear()
+
+    if kind == "sync":
+        limiter: Any = Limiter(Through(primary, through).client(), deadline=3.0)
+
+        def caller(_: int) -> Tuple[int, int]:
+            taken = added = 0
+            while running.is_set():
+                decision = limiter.take(bucket)
+                assert decision.answered_by == "module"
+                taken += decision.allowed
+                limiter.quota_add(quota_key, quota, calls=1)
+                added += 1
+            return taken, added
+
+        with ThreadPoolExecutor(51) as pool:
+            failover = pool.submit(fail_over)
+            results = list(pool.map(caller, range(50)))
+            failover.result()
+        counts = limiter.counts
+        limiter.close()
+    else:
+
+        async def scenario() -> Tuple[List[Tuple[int, int]], Any]:
+            limiter = AsyncLimiter(Through(primary, through).async_client(), deadline=3.0)
+
+            async def caller() -> Tuple[int, int]:
+                taken = added = 0
+                while running.is_set():
+                    decision = await limiter.take(bucket)
+                    assert decision.answered_by == "module"
+                    taken += decision.allowed
+                    await limiter.quota_add(quota_key, quota, calls=1)
+                    added += 1
+                return taken, added
+
+            failover = asyncio.get_running_loop().run_in_executor(None, fail_over)
+            results = await asyncio.gather(*(caller() for _ in range(50)))
+            await failover
+            counts = limiter.counts
+            await limiter.aclose()
+            return results, counts
+
+        results, counts = asyncio.run(scenario())
+    taken = sum(result[0] for result in results)
+    added = sum(result[1] for result in results)
+    assert (counts.errors, counts.local, counts.forwarded) == (0, 0, 0), counts
+    assert 1_000_000 - bucket_tokens(replica, bucket.key) == taken, "each take counted once"
+    usage = replica.client().execute_command(
+        "QAG.QUOTA.ADD", quota_key, "PER", "day", "TZ", "UTC", "CALLS", 0
+    )
+    assert usage[0] == added, "each add counted once"
+    assert primary.client().info("replication")["role"] == "slave"
 
 
 # Caller ids.

@@ -5,7 +5,7 @@
 //! cargo run --release -p qag-client --features tower --example axum_gateway -- \
 //!   --redis redis://127.0.0.1:6379/ --listen 127.0.0.1:8080 [--client-limit 20/1] \
 //!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000 --quota-per month \
-//!   --quota-tz Europe/Berlin] [--tpm 100000] [--policy raise|forward|local]
+//!   --quota-tz Europe/Berlin] [--tpm 100000] [--policy raise|forward|local] [--back-off 5]
 //!
 //! GET /v1/query?key=K[&work_ms=N][&chunks=N][&reserve=T][&tokens=A]: a small JSON body
 //! after work_ms, or a body streamed in `chunks` pieces over work_ms. With `--tpm`, the
@@ -107,6 +107,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The limiter set-up: a policy for outages, the limits, where address and key come from.
     let options = Options {
         on_unavailable: args.policy,
+        back_off: args.back_off,
         ..Options::default()
     };
     let limiter = Limiter::connect(&args.redis, options).await?;
@@ -153,6 +154,7 @@ struct Args {
     quota: Option<Quota>,
     tpm: Option<u64>,
     policy: OnUnavailable,
+    back_off: Duration,
 }
 
 impl Args {
@@ -166,6 +168,7 @@ impl Args {
             quota: None,
             tpm: None,
             policy: OnUnavailable::Raise,
+            back_off: Options::default().back_off,
         };
         let (mut calls, mut per, mut zone) = (None, Per::Month, "UTC".to_string());
         while let Some(flag) = words.next() {
@@ -178,6 +181,15 @@ impl Args {
                 "--key-limit" => args.key_limit = Some(rate(&value)?),
                 "--max-concurrent" => args.max_concurrent = Some(number("--max-concurrent")?),
                 "--tpm" => args.tpm = Some(number("--tpm")?),
+                "--back-off" => {
+                    let seconds = value
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|s| (0.0..=86_400.0).contains(s));
+                    args.back_off = Duration::from_secs_f64(
+                        seconds.ok_or(format!("--back-off: seconds, not {value}"))?,
+                    );
+                }
                 "--quota-calls" => calls = Some(number("--quota-calls")?),
                 "--quota-tz" => zone = value,
                 "--quota-per" => {

@@ -9,9 +9,10 @@ use redis::{cmd, Cmd};
 
 use crate::cluster::slot_of;
 use crate::decision::{AnsweredBy, Decision, PairDecision, Refunded, RetryAfter};
-use crate::error::{classify, Error};
-use crate::limiter::{check, failure_error, Answer, Instead, Limiter, Path};
+use crate::error::Error;
+use crate::limiter::{check, failure_error, unix_micros, Answer, Instead, Limiter, Path};
 use crate::local::{share_of, LocalBuckets};
+use crate::mutex::lock;
 use crate::naming::Bucket;
 use crate::CrossSlot;
 
@@ -327,22 +328,25 @@ where
             let (left, answered_by) = match remaining {
                 Some(answer) => answer,
                 None => {
+                    let mut invocation = this.shared.refund_script.key(key);
+                    invocation.arg(count).arg(&call.period_text).arg(n);
+                    let invocation = &invocation;
+                    // Never resent after a dropped connection: twice would give back twice.
                     let left: i64 = this
-                        .shared
-                        .refund_script
-                        .key(key)
-                        .arg(count)
-                        .arg(&call.period_text)
-                        .arg(n)
-                        .invoke_async(&mut this.con.clone())
+                        .sent(
+                            |mut con| async move { invocation.invoke_async(&mut con).await },
+                            false,
+                        )
                         .await
-                        .map_err(|error| failure_error(classify(&error)))?;
+                        .map_err(failure_error)?;
                     (left, AnsweredBy::Script)
                 }
             };
+            let remaining = u64::try_from(left)
+                .map_err(|_| Error::Server(format!("a QAG.REFUND reply, got {left}").into()))?;
+            this.saw(&call, remaining);
             Ok(Refunded {
-                remaining: u64::try_from(left)
-                    .map_err(|_| Error::Server(format!("a QAG.REFUND reply, got {left}").into()))?,
+                remaining,
                 answered_by,
             })
         };
@@ -379,7 +383,7 @@ where
                 .query_replayable::<Vec<i64>>(&call.take_command(id))
                 .await
             {
-                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
+                Ok(reply) => return self.decided(call, &reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }
         }
@@ -409,10 +413,10 @@ where
             {
                 Ok((client_reply, key_reply)) => {
                     let key_decision = key_reply
-                        .map(|reply| key.decision(&reply, AnsweredBy::Module))
+                        .map(|reply| self.decided(key, &reply, AnsweredBy::Module))
                         .transpose()?;
                     return Ok(PairDecision {
-                        client: client.decision(&client_reply, AnsweredBy::Module)?,
+                        client: self.decided(client, &client_reply, AnsweredBy::Module)?,
                         key: key_decision,
                     });
                 }
@@ -437,7 +441,7 @@ where
                 .query_replayable::<Vec<i64>>(&call.command("QAG.PEEK"))
                 .await
             {
-                Ok(reply) => return call.decision(&reply, AnsweredBy::Module),
+                Ok(reply) => return self.decided(call, &reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }
         }
@@ -450,14 +454,15 @@ where
             .arg("tokens")
             .arg("ts");
         type Fields = (Option<Vec<u8>>, Option<Vec<u8>>);
-        let ((seconds, micros), fields): ((i64, i64), Fields) = pipe
-            .query_async(&mut self.con.clone())
+        let pipe = &pipe;
+        let ((seconds, micros), fields): ((i64, i64), Fields) = self
+            .replayed(|mut con| async move { pipe.query_async(&mut con).await })
             .await
-            .map_err(|error| failure_error(classify(&error)))?;
+            .map_err(failure_error)?;
         let state = bucket::parse_state(fields.0.as_deref(), fields.1.as_deref());
         let now = bucket::seconds_from_micros(seconds.saturating_mul(1_000_000) + micros);
         let verdict = bucket::take(call.args.limit, call.args.cost, state, now).verdict;
-        call.decision(&verdict.as_reply(), AnsweredBy::Script)
+        self.decided(call, &verdict.as_reply(), AnsweredBy::Script)
     }
 
     /// The script's take, sent once more after a dropped connection (an admission:
@@ -475,6 +480,21 @@ where
             })
             .await
             .map_err(failure_error)?;
-        call.decision(&reply, AnsweredBy::Script)
+        self.decided(call, &reply, AnsweredBy::Script)
+    }
+
+    /// A bucket's decision from Redis's reply, noted as Redis's last word on it, where
+    /// local counting would begin.
+    fn decided(&self, call: &BucketCall, reply: &[i64], by: AnsweredBy) -> Result<Decision, Error> {
+        let decision = call.decision(reply, by)?;
+        self.saw(call, decision.remaining);
+        Ok(decision)
+    }
+
+    fn saw(&self, call: &BucketCall, left: u64) {
+        let now = seconds(unix_micros());
+        lock(&self.node.local)
+            .buckets
+            .saw(&call.key, call.args.limit, left, now);
     }
 }

@@ -132,6 +132,10 @@ pub(crate) fn classify(error: &RedisError) -> Failure {
     match error.kind() {
         _ if error.is_timeout() => Failure::Error(Error::Timeout),
         ErrorKind::Server(ServerErrorKind::NoPerm) => Failure::Error(Error::Permission(reason)),
+        // A primary demoted by a failover, this connection still on it: no write ran, and
+        // the server serves none; an outage until a probe finds it (or its address) a
+        // primary again.
+        ErrorKind::Server(ServerErrorKind::ReadOnly) => Failure::Error(Error::Unavailable(reason)),
         ErrorKind::Io
         | ErrorKind::ClusterConnectionNotFound
         | ErrorKind::Server(

@@ -15,6 +15,7 @@ use tokio::task::JoinHandle;
 
 use crate::decision::{AnsweredBy, LeaseRefusal, RetryAfter};
 use crate::error::{Error, Failure};
+use crate::limiter::unix_micros;
 use crate::limiter::{check, Answer, Instead, Limiter, Path};
 use crate::local::share_of;
 use crate::mutex::lock;
@@ -370,6 +371,13 @@ where
                 }
             };
             maybe_held.store(false, Ordering::Release);
+            if let [_, live, _] = *reply {
+                let now = unix_micros() as f64 / 1e6;
+                let ttl_ms = ttl.as_millis().min(u128::from(u64::MAX)) as u64;
+                lock(&this.node.local)
+                    .leases
+                    .saw(key, live.max(0) as u64, ttl_ms, now);
+            }
             match *reply {
                 [1, _, _] => Ok(Lease::Held(LeaseGuard::new(
                     this,
@@ -394,8 +402,16 @@ where
                     Instead::Forward => {
                         Lease::Held(LeaseGuard::new(this, key, id, ttl, AnsweredBy::Forwarded))
                     }
-                    Instead::Local { state, share, .. } => {
-                        match state.leases.acquire(key, id, share_of(max, share)) {
+                    Instead::Local {
+                        state,
+                        share,
+                        now_micros,
+                    } => {
+                        let now = now_micros as f64 / 1e6;
+                        match state
+                            .leases
+                            .acquire(key, id, share_of(max, share), share, now)
+                        {
                             Ok(()) => {
                                 Lease::Held(LeaseGuard::new(this, key, id, ttl, AnsweredBy::Local))
                             }
@@ -453,7 +469,11 @@ where
         };
         this.run(remote, |instead| match instead {
             Instead::Forward => None,
-            Instead::Local { state, .. } => Some(state.leases.live(key)),
+            Instead::Local {
+                state,
+                share,
+                now_micros,
+            } => Some(state.leases.live(key, share, now_micros as f64 / 1e6)),
         })
         .await
     }

@@ -3,13 +3,15 @@
 //! each family are in their own files (buckets, leases, quotas, windows).
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use qag_core::args::ArgError;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{cmd, Cmd, FromRedisValue, Value};
+use redis::{cmd, Cmd, ErrorKind, FromRedisValue, ServerErrorKind, Value};
 
 use crate::cluster::{common_slot, parse_slots, Kind, Topology};
 use crate::decision::AnsweredBy;
@@ -112,6 +114,8 @@ pub(crate) enum Path {
 /// local counts (on a cluster, one per primary; else one).
 #[derive(Default)]
 pub(crate) struct Node {
+    /// `host:port` on a cluster, "" on a single server (as [`Shared`] keeps it).
+    name: String,
     presence: Mutex<Presence>,
     outage: Mutex<Outage>,
     pub(crate) local: Mutex<LocalState>,
@@ -119,6 +123,9 @@ pub(crate) struct Node {
     /// Something was counted locally since Redis last answered (without a back-off,
     /// the next answer drops it).
     counted_locally: AtomicBool,
+    /// Whether the server's module takes KEEP after an id (None: not known yet, or the
+    /// connection failed since).
+    keeps: Mutex<Option<bool>>,
 }
 
 pub(crate) struct Shared {
@@ -133,13 +140,61 @@ pub(crate) struct Shared {
     pub(crate) refund_script: redis::Script,
 }
 
+/// A future of the connection's, boxed (a ping of one node).
+pub(crate) type Pinged = Pin<Box<dyn Future<Output = redis::RedisResult<()>> + Send>>;
+
+/// How the limiter reaches Redis: its connection, shared by every clone, swapped for a
+/// fresh one after READONLY where the limiter made it (a primary demoted by a failover;
+/// a fresh connection reaches whatever the address names now), and how one node is
+/// asked whether it answers (the probe after a back-off).
+pub(crate) struct Link<C> {
+    con: Mutex<(C, u64)>,
+    /// A new connection to the same address (None: only the caller could make one).
+    fresh: Option<Box<dyn Fn() -> Option<C> + Send + Sync>>,
+    ping: fn(C, String) -> Pinged,
+}
+
+impl<C: ConnectionLike + Clone + Send + 'static> Link<C> {
+    fn new(con: C) -> Link<C> {
+        Link {
+            con: Mutex::new((con, 0)),
+            fresh: None,
+            ping: ping_any::<C>,
+        }
+    }
+
+    /// The connection now, and which it is (for [`Link::replace`]).
+    pub(crate) fn con(&self) -> (C, u64) {
+        lock(&self.con).clone()
+    }
+
+    /// The connection `which` answered READONLY: a fresh one replaces it (once, however
+    /// many calls met it), where the limiter can make one.
+    fn replace(&self, which: u64) {
+        let Some(fresh) = &self.fresh else {
+            return;
+        };
+        let mut con = lock(&self.con);
+        if con.1 == which {
+            if let Some(new) = fresh() {
+                *con = (new, which + 1);
+            }
+        }
+    }
+}
+
+/// PING on the connection (a single server: whichever node it reaches).
+fn ping_any<C: ConnectionLike + Send + 'static>(mut con: C, _node: String) -> Pinged {
+    Box::pin(async move { cmd("PING").query_async::<Value>(&mut con).await.map(drop) })
+}
+
 /// A rate limiter over one connection (a `ConnectionManager`, a `MultiplexedConnection`
 /// or an async cluster connection). Cheap to clone: clones share what they know of the
 /// servers, the back-offs and the local counts. On a cluster, each primary has its own
 /// module presence, back-off and local counts (the slot table read with `CLUSTER
 /// SLOTS`), so one shard's failure changes nothing for keys on the others.
 pub struct Limiter<C> {
-    pub(crate) con: C,
+    pub(crate) link: Arc<Link<C>>,
     pub(crate) options: Options,
     pub(crate) shared: Arc<Shared>,
     /// The node this view of the limiter calls (see [`Limiter::for_keys`]).
@@ -147,18 +202,63 @@ pub struct Limiter<C> {
     /// The caller's request id for every call (see [`Limiter::with_id`]); else each
     /// call makes its own.
     pub(crate) id: Option<Arc<str>>,
+    /// What is left of one request's time with Redis, shared by every call of this view
+    /// (see [`Limiter::for_request`]); None: each call has the deadline.
+    pub(crate) budget: Option<Arc<Mutex<Duration>>>,
 }
 
 impl<C: Clone> Clone for Limiter<C> {
     fn clone(&self) -> Self {
         Limiter {
-            con: self.con.clone(),
+            link: self.link.clone(),
             options: self.options,
             shared: self.shared.clone(),
             node: self.node.clone(),
             id: self.id.clone(),
+            budget: self.budget.clone(),
         }
     }
+}
+
+/// The least a spend call's own id is remembered (its KEEP, seconds).
+const OWN_ID_KEEP: u64 = 10;
+
+/// An older module's answer to a word it does not know in a spend call's options.
+fn refuses_keep(reason: &str) -> bool {
+    [
+        "syntax error",
+        "wrong number of arguments",
+        "numscopes does not match",
+    ]
+    .iter()
+    .any(|words| reason.contains(words))
+}
+
+/// Turns of the runtime a call is given after its deadline for an answer already on its
+/// way (read from the socket, handed to the call): a busy process's delay, not the
+/// server's.
+const LATE_TURNS: usize = 3;
+
+/// `call`'s output if it comes within `window`, or within a few more turns of the
+/// runtime after it.
+async fn answered_within<F: std::future::Future>(window: Duration, call: F) -> Option<F::Output> {
+    tokio::pin!(call);
+    if let Ok(output) = tokio::time::timeout(window, &mut call).await {
+        return Some(output);
+    }
+    for _ in 0..LATE_TURNS {
+        tokio::task::yield_now().await;
+        let polled = std::future::poll_fn(|context| {
+            std::task::Poll::Ready(match call.as_mut().poll(context) {
+                std::task::Poll::Ready(output) => Some(output),
+                std::task::Poll::Pending => None,
+            })
+        });
+        if let Some(output) = polled.await {
+            return Some(output);
+        }
+    }
+    None
 }
 
 impl<C> std::fmt::Debug for Limiter<C> {
@@ -174,7 +274,12 @@ impl Shared {
     fn node(&self, name: &str) -> Arc<Node> {
         lock(&self.nodes)
             .entry(name.to_owned())
-            .or_default()
+            .or_insert_with(|| {
+                Arc::new(Node {
+                    name: name.to_owned(),
+                    ..Node::default()
+                })
+            })
             .clone()
     }
 
@@ -227,16 +332,17 @@ pub(crate) fn unix_micros() -> i64 {
         .map_or(0, |since| since.as_micros() as i64)
 }
 
-/// The probe's turn, given back if the probe's future is dropped before Redis answered.
+/// The probe's turn, given back if the probe's task is dropped before Redis answered
+/// (its runtime shut down).
 struct ProbeTurn<'a> {
-    outage: &'a Mutex<Outage>,
+    node: &'a Node,
     probe: bool,
 }
 
 impl Drop for ProbeTurn<'_> {
     fn drop(&mut self) {
         if self.probe {
-            lock(self.outage).probe_abandoned();
+            lock(&self.node.outage).probe_abandoned();
         }
     }
 }
@@ -253,9 +359,15 @@ impl Limiter<ConnectionManager> {
             .set_response_timeout(Some(options.deadline))
             // One reconnect attempt per failure: the limiter's back-off paces the rest.
             .set_number_of_retries(1);
-        let con = ConnectionManager::new_lazy_with_config(client, config)
+        let con = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
             .map_err(|error| failure_error(classify(&error)))?;
-        Ok(Limiter::with_options(con, options))
+        let mut link = Link::new(con);
+        // After READONLY: a new connection to the URL, which a failover (DNS, a proxy, a
+        // managed service's endpoint) may have moved to the new primary.
+        link.fresh = Some(Box::new(move || {
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone()).ok()
+        }));
+        Ok(Limiter::with_link(link, options, Arc::default()))
     }
 }
 
@@ -272,7 +384,9 @@ impl Limiter<ClusterNodes> {
         let nodes = ClusterNodes::new(seeds.to_vec(), options.deadline)
             .map_err(|error| Error::InvalidArgument(format!("cluster seeds {seeds:?}: {error}")))?;
         let topology = nodes.topology();
-        Ok(Limiter::with_topology(nodes, options, topology))
+        let mut link = Link::new(nodes);
+        link.ping = |nodes, node| Box::pin(async move { nodes.ping(&node).await });
+        Ok(Limiter::with_link(link, options, topology))
     }
 }
 
@@ -285,10 +399,14 @@ where
     }
 
     pub fn with_options(con: C, options: Options) -> Limiter<C> {
-        Limiter::with_topology(con, options, Arc::default())
+        Limiter::with_link(Link::new(con), options, Arc::default())
     }
 
-    fn with_topology(con: C, mut options: Options, topology: Arc<Mutex<Topology>>) -> Limiter<C> {
+    fn with_link(
+        link: Link<C>,
+        mut options: Options,
+        topology: Arc<Mutex<Topology>>,
+    ) -> Limiter<C> {
         let share = options.local_share;
         options.local_share = if share > 0.0 { share.min(1.0) } else { 1.0 };
         let shared = Arc::new(Shared {
@@ -299,11 +417,12 @@ where
             refund_script: redis::Script::new(TOKEN_REFUND_LUA),
         });
         Limiter {
-            con,
+            link: Arc::new(link),
             options,
             node: shared.node(""),
             shared,
             id: None,
+            budget: None,
         }
     }
 
@@ -321,6 +440,17 @@ where
         let mut limiter = self.clone();
         limiter.id = Some(id.into());
         Ok(limiter)
+    }
+
+    /// This limiter for one request: the calls it makes (and its clones make) share one
+    /// deadline of time with Redis, each waiting at most what the others left of it, so a
+    /// slow Redis costs the request one deadline, not one a call (the tower layer makes
+    /// one a request). A call that finds nothing left is the outage the request has met
+    /// (answered by the policy, as a call past its deadline is).
+    pub fn for_request(&self) -> Limiter<C> {
+        let mut limiter = self.clone();
+        limiter.budget = Some(Arc::new(Mutex::new(self.options.deadline)));
+        limiter
     }
 
     /// The caller's request id, if [`Limiter::with_id`] gave one.
@@ -405,8 +535,11 @@ where
         if refresh {
             match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
-                    let task =
-                        read_table(self.con.clone(), self.shared.clone(), self.options.deadline);
+                    let task = read_table(
+                        self.link.con().0,
+                        self.shared.clone(),
+                        self.options.deadline,
+                    );
                     drop(runtime.spawn(task));
                 }
                 Err(_) => lock(&self.shared.topology).refresh_failed(now),
@@ -426,7 +559,12 @@ where
             topology.kind == Kind::Unknown && topology.start_first()
         };
         if first {
-            read_table(self.con.clone(), self.shared.clone(), self.options.deadline).await;
+            read_table(
+                self.link.con().0,
+                self.shared.clone(),
+                self.options.deadline,
+            )
+            .await;
         }
     }
 
@@ -450,7 +588,9 @@ where
     }
 
     /// Runs one call under the outage policy: to Redis within the deadline unless a
-    /// back-off runs; an outage starts a back-off and is answered by the policy.
+    /// back-off runs; an outage starts a back-off and is answered by the policy. The
+    /// call that finds a probe due starts it in the background and keeps to the policy
+    /// itself: no request waits for a probe.
     pub(crate) async fn run<T: Answer>(
         &self,
         remote: impl std::future::Future<Output = Result<T, Error>>,
@@ -458,39 +598,27 @@ where
     ) -> Result<T, Error> {
         let route = lock(&self.node.outage).route(Instant::now());
         let answer = match route {
-            Route::Policy => {
+            Route::Policy | Route::Probe => {
+                if route == Route::Probe {
+                    self.start_probe();
+                }
                 let cause = lock(&self.node.outage).backing_off_error();
                 self.answer_instead(instead, cause)
             }
-            Route::Redis { probe } => {
-                let mut turn = ProbeTurn {
-                    outage: &self.node.outage,
-                    probe,
-                };
-                let answer = self.within_deadline(remote).await;
-                turn.probe = false;
-                match answer {
-                    Err(error) if error.is_unavailable() => {
-                        lock(&self.shared.topology).node_failed();
-                        lock(&self.node.outage).failed(
-                            probe,
-                            Instant::now(),
-                            self.options.back_off,
-                            &error,
-                        );
-                        self.answer_instead(instead, error)
-                    }
-                    answer => {
-                        let ended = lock(&self.node.outage).answered(probe);
-                        let no_back_off = self.options.back_off.is_zero()
-                            && self.node.counted_locally.swap(false, Ordering::Relaxed);
-                        if ended || no_back_off {
-                            lock(&self.node.local).clear();
-                        }
-                        answer
-                    }
+            Route::Redis => match self.within_deadline(remote).await {
+                Err(error) if error.is_unavailable() => {
+                    self.outage_met(&error);
+                    self.answer_instead(instead, error)
                 }
-            }
+                answer => {
+                    if self.options.back_off.is_zero()
+                        && self.node.counted_locally.swap(false, Ordering::Relaxed)
+                    {
+                        lock(&self.node.local).clear();
+                    }
+                    answer
+                }
+            },
         };
         let mut counts = lock(&self.node.counts);
         match &answer {
@@ -502,6 +630,60 @@ where
             Err(_) => counts.errors += 1,
         }
         answer
+    }
+
+    /// A call met an outage: a back-off starts (the slot table is read again).
+    fn outage_met(&self, error: &Error) {
+        lock(&self.shared.topology).node_failed();
+        lock(&self.node.outage).failed(false, Instant::now(), self.options.back_off, error);
+    }
+
+    /// Asks this node whether it answers (PING), in a task of its own, with up to the
+    /// back-off (at most 2 s, at least the deadline) counted from its own start: an
+    /// answer (any reply, an error reply too) ends the back-off and drops the local
+    /// counts; an outage puts the next probe twice as far off.
+    fn start_probe(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            lock(&self.node.outage).probe_abandoned();
+            return;
+        };
+        let node = self.node.clone();
+        let link = self.link.clone();
+        let options = self.options;
+        let topology = self.shared.topology.clone();
+        let within = options
+            .back_off
+            .min(Duration::from_secs(2))
+            .max(options.deadline);
+        drop(runtime.spawn(async move {
+            let mut turn = ProbeTurn {
+                node: &node,
+                probe: true,
+            };
+            let ping = (link.ping)(link.con().0, node.name.clone());
+            let answer = match tokio::time::timeout(within, ping).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(error)) => match classify(&error) {
+                    Failure::Error(error) if error.is_unavailable() => Err(error),
+                    _ => Ok(()),
+                },
+                Err(_) => Err(Error::Timeout),
+            };
+            turn.probe = false;
+            match answer {
+                Ok(()) => {
+                    if lock(&node.outage).answered() {
+                        lock(&node.local).clear();
+                    }
+                }
+                Err(error) => {
+                    *lock(&node.presence) = Presence::Unknown;
+                    lock(&topology).node_failed();
+                    let now = Instant::now();
+                    lock(&node.outage).failed(true, now, options.back_off, &error);
+                }
+            }
+        }));
     }
 
     fn answer_instead<T>(
@@ -524,19 +706,70 @@ where
         answer.ok_or(cause)
     }
 
-    /// Bounds a call by the deadline; a server that failed to answer is asked again
-    /// whether it has the module (it may have been restarted without it, or with it).
+    /// Bounds a call by the deadline (or what is left of its request's), an answer
+    /// already on its way at the deadline taken; a server that failed to answer is asked
+    /// again whether it has the module (it may have been restarted without it, or with
+    /// it).
     async fn within_deadline<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        let answer = tokio::time::timeout(self.options.deadline, call)
-            .await
-            .unwrap_or(Err(Error::Timeout));
+        let window = match &self.budget {
+            Some(left) => self.options.deadline.min(*lock(left)),
+            None => self.options.deadline,
+        };
+        let started = Instant::now();
+        let answer = if window.is_zero() {
+            Err(Error::Timeout)
+        } else {
+            answered_within(window, call)
+                .await
+                .unwrap_or(Err(Error::Timeout))
+        };
+        if let Some(left) = &self.budget {
+            let mut left = lock(left);
+            *left = left.saturating_sub(started.elapsed());
+        }
         if answer.as_ref().is_err_and(Error::is_unavailable) {
-            *lock(&self.node.presence) = Presence::Unknown;
+            self.forget_presence();
         }
         answer
+    }
+
+    /// A failed or new connection: the next call asks the server again what it has.
+    fn forget_presence(&self) {
+        *lock(&self.node.presence) = Presence::Unknown;
+        *lock(&self.node.keeps) = None;
+    }
+
+    /// A spend call (a quota add, a record) whose words end with its id: with `own_id`
+    /// (the limiter's, replayed only within the call), `KEEP seconds` after it, so the
+    /// key remembers the id a few seconds, not ID-SECONDS. A module older than KEEP
+    /// refuses the word, writing nothing: the call is sent again without, and this
+    /// server is not asked with it again until the connection fails.
+    pub(crate) async fn spend_call<T: FromRedisValue>(
+        &self,
+        words: &[String],
+        own_id: bool,
+    ) -> Result<T, Error> {
+        let keeps = *lock(&self.node.keeps);
+        if own_id && keeps != Some(false) {
+            let keep = (self.options.deadline.as_secs_f64().ceil() as u64 + 1).max(OWN_ID_KEEP);
+            let mut kept = words.to_vec();
+            kept.extend(["KEEP".into(), keep.min(86_400).to_string()]);
+            match self.module_call_replayable(&command(&kept)).await {
+                Err(Error::Server(reason)) if keeps.is_none() && refuses_keep(&reason) => {
+                    *lock(&self.node.keeps) = Some(false);
+                }
+                answer => {
+                    if answer.is_ok() {
+                        *lock(&self.node.keeps) = Some(true);
+                    }
+                    return answer;
+                }
+            }
+        }
+        self.module_call_replayable(&command(words)).await
     }
 
     /// A module command failed: a missing command means the module is gone from this
@@ -619,10 +852,11 @@ where
     }
 
     pub(crate) async fn query<T: FromRedisValue>(&self, command: &Cmd) -> Result<T, Failure> {
-        command
-            .query_async(&mut self.con.clone())
-            .await
-            .map_err(|error| classify(&error))
+        self.sent(
+            |mut con| async move { command.query_async(&mut con).await },
+            false,
+        )
+        .await
     }
 
     /// Sends a command, and once more when the connection dropped before its reply
@@ -642,21 +876,42 @@ where
             .await
     }
 
-    /// `send` on a clone of the connection, and once more as
-    /// [`Limiter::query_replayable`] says.
+    /// `send` on the connection, and once more as [`Limiter::query_replayable`] says.
     pub(crate) async fn replayed<T, F, Fut>(&self, send: F) -> Result<T, Failure>
     where
         F: Fn(C) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        match send(self.con.clone()).await {
+        self.sent(send, true).await
+    }
+
+    /// `send` on the connection; sent once more after READONLY, whatever it is (a
+    /// primary demoted by a failover ran nothing), on a fresh connection where the
+    /// limiter made the first (a failover moves the address to the new primary, or the
+    /// second READONLY is the outage), and, when `replayable`, after a dropped
+    /// connection (see [`Limiter::query_replayable`]).
+    pub(crate) async fn sent<T, F, Fut>(&self, send: F, replayable: bool) -> Result<T, Failure>
+    where
+        F: Fn(C) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let (con, which) = self.link.con();
+        match send(con).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) => {
+                log::debug!(target: "qag_client", "a demoted primary, once more: {error}");
+                self.link.replace(which);
+                self.forget_presence();
+                send(self.link.con().0)
+                    .await
+                    .map_err(|error| classify(&error))
+            }
             // A ConnectionManager reconnects after the failure: the replay waits for
             // the fresh connection, which may reach a server restarted with or without
             // the module (the next call asks again).
-            Err(error) if error.is_connection_dropped() && !error.is_timeout() => {
+            Err(error) if replayable && error.is_connection_dropped() && !error.is_timeout() => {
                 log::debug!(target: "qag_client", "replaying a call after: {error}");
-                *lock(&self.node.presence) = Presence::Unknown;
-                send(self.con.clone())
+                self.forget_presence();
+                send(self.link.con().0)
                     .await
                     .map_err(|error| classify(&error))
             }

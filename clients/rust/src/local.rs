@@ -1,10 +1,14 @@
 //! Counting in this process's memory, for the back-off after Redis failed
-//! ([`OnUnavailable::Local`](crate::OnUnavailable::Local)): token buckets (each starting
-//! full, counted with the module's own arithmetic), leases, quotas (from the last count
-//! this process saw plus its own adds) and sliding windows (the module's arithmetic on
-//! this process's counts). Every limit is scaled by the process's share of it, so a fleet
-//! of N processes with a share of 1/N stays near the limit during an outage. Plain code:
-//! the clock is an argument.
+//! ([`OnUnavailable::Local`](crate::OnUnavailable::Local)): token buckets (counted with
+//! the module's own arithmetic), leases, quotas and sliding windows (the module's
+//! arithmetic on this process's counts). Each starts from what Redis last answered for
+//! its key (`saw`: the tokens left and when, the live leases, the counts, what a window
+//! had left), refilled by the clock from there; only a key this process never saw
+//! answered starts fresh (a full bucket, no lease, nothing counted). Every limit, and what
+//! Redis said is left of it, is scaled by the process's share of it, so one process never
+//! grants more than its share of what was left plus what refills, and a fleet of N
+//! processes with a share of 1/N stays within the limit during an outage. Plain code: the
+//! clock is an argument.
 
 use std::collections::{HashMap, HashSet};
 
@@ -32,7 +36,8 @@ pub struct LocalState {
 }
 
 impl LocalState {
-    /// Redis answers again: the next outage starts from what Redis says then.
+    /// Redis answers again: what was counted here goes (Redis's last words stay: the
+    /// next outage starts from what Redis says until then).
     pub fn clear(&mut self) {
         self.buckets.clear();
         self.leases.live.clear();
@@ -41,15 +46,47 @@ impl LocalState {
     }
 }
 
+/// Buckets counted in this process (their limits this process's share). One starts from
+/// Redis's last word on it ([`LocalBuckets::saw`]): that share of the tokens it said
+/// were left, at the time it said so; else full.
 #[derive(Default)]
 pub struct LocalBuckets {
     buckets: HashMap<String, (State, Limit)>,
+    /// Redis's last word on each bucket: kept through outages, never cleared.
+    seen: HashMap<String, (State, Limit)>,
 }
 
 impl LocalBuckets {
+    /// Redis answered that `left` whole tokens of `limit` are left at `now` (Unix s).
+    pub fn saw(&mut self, key: &str, limit: Limit, left: u64, now: f64) {
+        if self.seen.len() >= PRUNE_ABOVE && !self.seen.contains_key(key) {
+            // A bucket full again says nothing a fresh one would not.
+            self.seen
+                .retain(|_, (state, limit)| !refilled(state, limit, now));
+        }
+        let state = State {
+            tokens: left as f64,
+            ts: now,
+        };
+        self.seen.insert(key.to_owned(), (state, limit));
+    }
+
+    /// The bucket as counted here, else as Redis last left it (scaled to `limit`, this
+    /// process's share), else None: a missing bucket, full.
+    fn stored(&self, key: &str, limit: Limit) -> Option<State> {
+        if let Some((state, _)) = self.buckets.get(key) {
+            return Some(*state);
+        }
+        let (seen, full) = self.seen.get(key)?;
+        Some(State {
+            tokens: (seen.tokens * limit.count / full.count).min(limit.count),
+            ts: seen.ts,
+        })
+    }
+
     /// Takes `cost` from the bucket at `key`; `now` in Unix seconds.
     pub fn take(&mut self, key: &str, limit: Limit, cost: i64, now: f64) -> Verdict {
-        let stored = self.buckets.get(key).map(|(state, _)| *state);
+        let stored = self.stored(key, limit);
         let outcome = bucket::take(limit, cost, stored, now);
         if self.buckets.len() >= PRUNE_ABOVE && !self.buckets.contains_key(key) {
             self.prune(now);
@@ -61,7 +98,7 @@ impl LocalBuckets {
     /// Gives `amount` back to the bucket at `key` (a missing one is full); the tokens
     /// left.
     pub fn refund(&mut self, key: &str, limit: Limit, amount: i64, now: f64) -> i64 {
-        let stored = self.buckets.get(key).map(|(state, _)| *state);
+        let stored = self.stored(key, limit);
         let refund = bucket::refund(limit, amount, stored, now);
         if let Some(state) = refund.state {
             self.buckets.insert(key.to_owned(), (state, limit));
@@ -71,11 +108,11 @@ impl LocalBuckets {
 
     /// What `take` would answer, changing nothing.
     pub fn peek(&self, key: &str, limit: Limit, cost: i64, now: f64) -> Verdict {
-        let stored = self.buckets.get(key).map(|(state, _)| *state);
+        let stored = self.stored(key, limit);
         bucket::take(limit, cost, stored, now).verdict
     }
 
-    /// Forgets every bucket: the next back-off starts each one full again.
+    /// Forgets what was counted here (Redis's last words stay).
     pub fn clear(&mut self) {
         self.buckets.clear();
     }
@@ -90,31 +127,64 @@ impl LocalBuckets {
 
     /// Drops the buckets that have refilled completely: they read as full when missing.
     fn prune(&mut self, now: f64) {
-        self.buckets.retain(|_, (state, limit)| {
-            let refilled = state.tokens + (now - state.ts).max(0.0) * limit.count / limit.period;
-            refilled < limit.count
-        });
+        self.buckets
+            .retain(|_, (state, limit)| !refilled(state, limit, now));
     }
 }
 
-/// Live leases per key, counted by this process alone, by id: a slot is freed only by
-/// the id that holds it (a guard from an earlier outage frees nothing of a later one),
-/// and an id asking again holds one slot, as the module counts it.
+fn refilled(state: &State, limit: &Limit, now: f64) -> bool {
+    state.tokens + (now - state.ts).max(0.0) * limit.count / limit.period >= limit.count
+}
+
+/// Live leases per key taken by this process, by id: a slot is freed only by the id
+/// that holds it (a guard from an earlier outage frees nothing of a later one), and an id
+/// asking again holds one slot, as the module counts it. Beside them, this process's
+/// share of those Redis last said were live ([`LocalLeases::saw`]) hold slots until they
+/// would have run out.
 #[derive(Default)]
 pub struct LocalLeases {
     live: HashMap<String, HashSet<String>>,
+    /// key -> (live, until: Unix seconds), Redis's last word.
+    seen: HashMap<String, (u64, f64)>,
 }
 
 impl LocalLeases {
-    /// Takes a slot for `id` when fewer than `max` are held here (or `id` holds one);
-    /// else the live count.
-    pub fn acquire(&mut self, key: &str, id: &str, max: u64) -> Result<(), u64> {
+    /// Redis answered that `live` leases are held at `now`, each for `ttl_ms` at most
+    /// from then.
+    pub fn saw(&mut self, key: &str, live: u64, ttl_ms: u64, now: f64) {
+        if self.seen.len() >= PRUNE_ABOVE && !self.seen.contains_key(key) {
+            self.seen.retain(|_, (_, until)| *until > now);
+        }
+        self.seen
+            .insert(key.to_owned(), (live, now + ttl_ms as f64 / 1000.0));
+    }
+
+    /// This process's `share` of the leases Redis last said were live, while they may
+    /// still be (rounded up).
+    fn taken_before(&self, key: &str, share: f64, now: f64) -> u64 {
+        match self.seen.get(key) {
+            Some(&(live, until)) if until > now => (live as f64 * share).ceil() as u64,
+            _ => 0,
+        }
+    }
+
+    /// Takes a slot for `id` when fewer than `max` (this process's share of the limit,
+    /// `share`) are held (or `id` holds one); else the live count.
+    pub fn acquire(
+        &mut self,
+        key: &str,
+        id: &str,
+        max: u64,
+        share: f64,
+        now: f64,
+    ) -> Result<(), u64> {
+        let taken = self.taken_before(key, share, now);
         let ids = self.live.entry(key.to_owned()).or_default();
-        if ids.contains(id) || (ids.len() as u64) < max {
+        if ids.contains(id) || taken + (ids.len() as u64) < max {
             ids.insert(id.to_owned());
             Ok(())
         } else {
-            Err(ids.len() as u64)
+            Err(taken + ids.len() as u64)
         }
     }
 
@@ -127,8 +197,11 @@ impl LocalLeases {
         }
     }
 
-    pub fn live(&self, key: &str) -> u64 {
-        self.live.get(key).map_or(0, |ids| ids.len() as u64)
+    /// The leases held: this process's, and its `share` of those Redis last said were
+    /// live, while they may still be.
+    pub fn live(&self, key: &str, share: f64, now: f64) -> u64 {
+        let own = self.live.get(key).map_or(0, |ids| ids.len() as u64);
+        self.taken_before(key, share, now) + own
     }
 }
 
@@ -274,12 +347,44 @@ impl WindowCounts {
     }
 }
 
+/// Sliding windows counted in this process. A scope's window starts from what Redis last
+/// said was used of it ([`LocalWindows::saw`]: its limit less the least left over the
+/// chain, which is at most what it had left; this process's share of that).
 #[derive(Default)]
 pub struct LocalWindows {
     scopes: HashMap<(String, i64), WindowCounts>,
+    /// (key, window length) -> (window, requests used, tokens used: this process's share),
+    /// Redis's last word.
+    seen: HashMap<(String, i64), (i64, i64, i64)>,
 }
 
 impl LocalWindows {
+    /// Redis admitted (or refused) a request on `scopes` (`key`, rpm, tpm), saying that
+    /// `requests_left` and `tokens_left` are left (the least over the chain, so a scope
+    /// that had more left begins stricter than it was), scaled by `share`.
+    pub fn saw(
+        &mut self,
+        scopes: &[(&str, u64, u64)],
+        clock: &Clock,
+        requests_left: Option<u64>,
+        tokens_left: Option<u64>,
+        share: f64,
+    ) {
+        let window = clock.window();
+        if self.seen.len() >= PRUNE_ABOVE {
+            self.seen.retain(|_, (seen, _, _)| *seen >= window);
+        }
+        let used = |limit: u64, left: Option<u64>| match left {
+            Some(left) if limit > 0 => (limit.saturating_sub(left) as f64 * share).ceil() as i64,
+            _ => 0,
+        };
+        for (key, rpm, tpm) in scopes {
+            let counts = (window, used(*rpm, requests_left), used(*tpm, tokens_left));
+            self.seen
+                .insert(((*key).to_owned(), clock.window_micros), counts);
+        }
+    }
+
     /// QAG.ADMIT's decision on this process's counts, limits already scaled.
     pub fn admit(&mut self, scopes: &[(&str, window::Limits)], clock: &Clock) -> window::Admission {
         self.admit_reserving(scopes, clock, 0)
@@ -329,11 +434,23 @@ impl LocalWindows {
         }
     }
 
+    /// A scope's counters in this window; one not counted here yet begins from Redis's
+    /// last word on it in this window.
     fn scope(&mut self, key: &str, clock: &Clock) -> &mut Counters {
-        self.scopes
-            .entry((key.to_owned(), clock.window_micros))
-            .or_default()
-            .at(clock)
+        let name = (key.to_owned(), clock.window_micros);
+        let seen = self.seen.get(&name).copied();
+        let counts = self.scopes.entry(name).or_insert_with(|| match seen {
+            Some((window, requests, tokens)) if window == clock.window() => WindowCounts {
+                window,
+                counters: Counters {
+                    requests,
+                    tokens,
+                    ..Counters::default()
+                },
+            },
+            _ => WindowCounts::default(),
+        });
+        counts.at(clock)
     }
 }
 
@@ -385,19 +502,77 @@ mod tests {
     #[test]
     fn leases_are_counted_per_key_up_to_the_max() {
         let mut leases = LocalLeases::default();
-        assert_eq!(leases.acquire("k", "a", 2), Ok(()));
-        assert_eq!(leases.acquire("k", "b", 2), Ok(()));
-        assert_eq!(leases.acquire("k", "c", 2), Err(2));
-        assert_eq!(leases.acquire("k", "a", 2), Ok(()), "a holder asking again");
-        assert_eq!(leases.acquire("other", "a", 2), Ok(()));
+        assert_eq!(leases.acquire("k", "a", 2, 1.0, 0.0), Ok(()));
+        assert_eq!(leases.acquire("k", "b", 2, 1.0, 0.0), Ok(()));
+        assert_eq!(leases.acquire("k", "c", 2, 1.0, 0.0), Err(2));
+        assert_eq!(
+            leases.acquire("k", "a", 2, 1.0, 0.0),
+            Ok(()),
+            "a holder asking again"
+        );
+        assert_eq!(leases.acquire("other", "a", 2, 1.0, 0.0), Ok(()));
         leases.release("k", "a");
-        assert_eq!(leases.live("k"), 1);
+        assert_eq!(leases.live("k", 1.0, 0.0), 1);
         // An id that holds nothing here frees nothing (a guard of an earlier outage).
         leases.release("k", "old");
-        assert_eq!(leases.live("k"), 1);
-        assert_eq!(leases.acquire("k", "c", 2), Ok(()));
+        assert_eq!(leases.live("k", 1.0, 0.0), 1);
+        assert_eq!(leases.acquire("k", "c", 2, 1.0, 0.0), Ok(()));
         leases.release("gone", "a");
-        assert_eq!(leases.live("gone"), 0);
+        assert_eq!(leases.live("gone", 1.0, 0.0), 0);
+    }
+
+    /// Issue 34: a bucket, a lease count and a window drained in Redis are not counted
+    /// from fresh when Redis stops answering: each begins from Redis's last word.
+    #[test]
+    fn local_counting_begins_from_what_redis_last_said() {
+        let now = 1_800_000_000.0;
+        let limit = Limit {
+            count: 60.0,
+            period: 3600.0,
+        };
+        let mut buckets = LocalBuckets::default();
+        buckets.saw("b", limit, 0, now);
+        // A minute later one token has refilled (60 an hour).
+        let allowed: Vec<bool> = (0..5)
+            .map(|_| buckets.take("b", limit, 1, now + 60.0).allowed)
+            .collect();
+        assert_eq!(allowed, [true, false, false, false, false]);
+        assert_eq!(
+            buckets.take("fresh", limit, 1, now).tokens_left,
+            59,
+            "never seen: full"
+        );
+        // Half the share: half of what was left.
+        buckets.saw("half", limit, 20, now);
+        let half = Limit {
+            count: 30.0,
+            period: 3600.0,
+        };
+        assert_eq!(buckets.take("half", half, 1, now).tokens_left, 9);
+        buckets.clear();
+        assert!(
+            buckets.peek("b", limit, 1, now + 60.0).allowed,
+            "its last word stays"
+        );
+        // Leases: 4 of 4 live, each for 30 s at most.
+        let mut leases = LocalLeases::default();
+        leases.saw("l", 4, 30_000, now);
+        assert_eq!(leases.acquire("l", "new", 4, 1.0, now + 1.0), Err(4));
+        assert_eq!(leases.live("l", 1.0, now + 1.0), 4);
+        assert_eq!(
+            leases.acquire("l", "new", 4, 1.0, now + 30.0),
+            Ok(()),
+            "run out"
+        );
+        // A window: the chain had 3 requests left of 10.
+        let mut windows = LocalWindows::default();
+        let clock = Clock::new(60, (now * 1e6) as i64);
+        windows.saw(&[("w", 10, 0)], &clock, Some(3), None, 1.0);
+        let limits = window::Limits { rpm: 10, tpm: 0 };
+        let admitted = (0..5)
+            .filter(|_| windows.admit(&[("w", limits)], &clock).admitted)
+            .count();
+        assert_eq!(admitted, 3);
     }
 
     const CALLS_10: quota::Limits = quota::Limits {

@@ -91,6 +91,18 @@ impl ClusterNodes {
         })
     }
 
+    /// PING to `node` (`host:port`), on its connection: whether that node answers (the
+    /// probe after its back-off).
+    pub(crate) async fn ping(&self, node: &str) -> RedisResult<()> {
+        let (_, reply) = self
+            .router
+            .routed(node.to_owned(), send_command(redis::cmd("PING")), |_| {
+                Next::Done
+            })
+            .await;
+        reply.map(drop)
+    }
+
     /// The slot table, shared with the limiter that reads it.
     pub(crate) fn topology(&self) -> Arc<Mutex<Topology>> {
         self.router.topology.clone()
@@ -235,17 +247,28 @@ impl Router {
         Ok(connection)
     }
 
-    /// A node that dropped a connection or failed to connect: the next call makes a
-    /// new connection.
+    /// A node that dropped a connection, failed to connect, or answered READONLY (a
+    /// primary demoted, the address maybe moved): the next call makes a new connection.
     fn failed(&self, node: &str, error: &RedisError) {
-        if error.is_io_error() || error.is_connection_dropped() || error.is_timeout() {
+        if error.is_io_error()
+            || error.is_connection_dropped()
+            || error.is_timeout()
+            || error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+        {
             lock(&self.connections).remove(node);
             lock(&self.failed_at).insert(node.to_owned(), Instant::now());
         }
     }
 
+    /// A reply that is a READONLY error (the caller reads it as one).
+    fn failed_in<T: ReplyValue>(&self, node: &str, reply: &T) {
+        if let Some(error) = reply.read_only() {
+            self.failed(node, &error);
+        }
+    }
+
     /// Sends `send` to `node`, then where its replies redirect it.
-    async fn routed<T>(
+    async fn routed<T: ReplyValue>(
         &self,
         mut node: String,
         send: impl Fn(MultiplexedConnection, bool) -> RedisFuture<'static, T>,
@@ -268,8 +291,9 @@ impl Router {
             let reply = send(connection, asking).await;
             unanswered.answered = true;
             drop(unanswered);
-            if let Err(error) = &reply {
-                self.failed(&node, error);
+            match &reply {
+                Err(error) => self.failed(&node, error),
+                Ok(value) => self.failed_in(&node, value),
             }
             asking = false;
             match redirect(&reply) {
@@ -306,6 +330,28 @@ impl Router {
         nodes.sort_by_key(|node| failed_at.get(node).copied());
         nodes.truncate(KEYLESS_FAN_OUT);
         nodes
+    }
+}
+
+/// A command's reply or a pipeline's replies, looked through for READONLY.
+trait ReplyValue {
+    fn read_only(&self) -> Option<RedisError>;
+}
+
+impl ReplyValue for Value {
+    fn read_only(&self) -> Option<RedisError> {
+        match self {
+            Value::ServerError(error) if error.kind() == Some(ServerErrorKind::ReadOnly) => {
+                Some(RedisError::from(error.clone()))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl ReplyValue for Vec<Value> {
+    fn read_only(&self) -> Option<RedisError> {
+        self.iter().find_map(Value::read_only)
     }
 }
 

@@ -28,17 +28,33 @@ pub enum OnUnavailable {
 /// Where a call goes now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Route {
-    /// To Redis; `probe` when it is the one call trying Redis after a back-off.
-    Redis { probe: bool },
-    /// Not to Redis: answered by the policy (a back-off runs, or a probe is out).
+    Redis,
+    /// The one call that starts the probe of Redis after a back-off (in the
+    /// background); it keeps to the policy itself.
+    Probe,
+    /// Not to Redis: answered by the policy (a back-off runs, or the probe is out).
     Policy,
 }
 
-/// The back-off state of one limiter.
+/// The first probe after an outage comes this soon (or at `back_off` if sooner); each
+/// that fails doubles the wait, up to `back_off`.
+pub(crate) const FIRST_PROBE: Duration = Duration::from_millis(100);
+
+/// The back-off state of one limiter: every call keeps to the policy, and Redis is
+/// probed, first [`FIRST_PROBE`] after the outage, then after twice as long each time a
+/// probe fails, never more than `back_off` apart. When a probe is due, the first call
+/// to arrive is routed to start it; the others keep to the policy until it has
+/// answered. The probe that answers ends the back-off: a restart measured in
+/// milliseconds costs about `FIRST_PROBE` of answers by the policy, not `back_off`.
+/// Only the probe ends a back-off (a call sent before it and answering during it does
+/// not). Python's `_policy.Outage` follows the same rules.
 #[derive(Debug, Default)]
 pub(crate) struct Outage {
-    /// Set from an outage until a probe has answered; calls before it keep to the policy.
+    /// When the next probe is due, from an outage until a probe has answered; calls
+    /// before it keep to the policy.
     until: Option<Instant>,
+    /// The wait before that probe.
+    wait: Duration,
     probing: bool,
     /// The outage that started the back-off, for the errors raised during it.
     cause: Option<String>,
@@ -47,26 +63,25 @@ pub(crate) struct Outage {
 impl Outage {
     pub(crate) fn route(&mut self, now: Instant) -> Route {
         match self.until {
-            None => Route::Redis { probe: false },
+            None => Route::Redis,
             Some(until) if now < until || self.probing => Route::Policy,
             Some(_) => {
                 self.probing = true;
-                Route::Redis { probe: true }
+                Route::Probe
             }
         }
     }
 
-    /// Redis answered (a reply or an error reply): true when that ended a back-off.
-    pub(crate) fn answered(&mut self, probe: bool) -> bool {
-        if probe {
-            self.probing = false;
-            self.cause = None;
-            return self.until.take().is_some();
-        }
-        false
+    /// The probe found Redis answering (a reply or an error reply): the back-off is
+    /// over; true when there was one.
+    pub(crate) fn answered(&mut self) -> bool {
+        self.probing = false;
+        self.cause = None;
+        self.until.take().is_some()
     }
 
-    /// Redis failed: a back-off starts (or goes on) until `now + back_off`.
+    /// Redis failed: a back-off starts, or, its probe failed, the next probe is twice as
+    /// far off (a call sent before the back-off and failing during it changes nothing).
     pub(crate) fn failed(&mut self, probe: bool, now: Instant, back_off: Duration, cause: &Error) {
         if probe {
             self.probing = false;
@@ -75,8 +90,13 @@ impl Outage {
             return;
         }
         // Options::back_off is any Duration: a day at most, so the instant exists.
-        let until = now + back_off.min(Duration::from_secs(86_400));
-        self.until = Some(self.until.map_or(until, |current| current.max(until)));
+        let back_off = back_off.min(Duration::from_secs(86_400));
+        self.wait = match self.until {
+            None => FIRST_PROBE.min(back_off),
+            Some(_) if probe => (self.wait * 2).min(back_off),
+            Some(_) => return,
+        };
+        self.until = Some(now + self.wait);
         self.cause = Some(cause.to_string());
     }
 
@@ -168,73 +188,77 @@ mod tests {
     fn an_outage_leaves_redis_alone_then_lets_one_probe_through() {
         let start = Instant::now();
         let mut outage = Outage::default();
-        assert_eq!(outage.route(start), Route::Redis { probe: false });
+        assert_eq!(outage.route(start), Route::Redis);
         outage.failed(false, start, BACK_OFF, &Error::Timeout);
         assert!(outage.backing_off(start));
-        assert_eq!(outage.route(start + Duration::from_secs(4)), Route::Policy);
-        let after = start + BACK_OFF;
-        assert_eq!(outage.route(after), Route::Redis { probe: true });
+        // The first probe comes soon: a restart measured in milliseconds costs 0.1 s.
+        assert_eq!(
+            outage.route(start + Duration::from_millis(99)),
+            Route::Policy
+        );
+        let after = start + FIRST_PROBE;
+        assert_eq!(outage.route(after), Route::Probe);
         // Others keep to the policy while the probe is out.
         assert_eq!(outage.route(after), Route::Policy);
         assert!(outage.backing_off(after + Duration::from_secs(60)));
-        assert!(outage.answered(true), "the probe ends the back-off");
-        assert_eq!(outage.route(after), Route::Redis { probe: false });
+        assert!(outage.answered(), "the probe ends the back-off");
+        assert_eq!(outage.route(after), Route::Redis);
         assert!(!outage.backing_off(after));
     }
 
     #[test]
-    fn a_failed_probe_starts_a_new_back_off_and_an_abandoned_one_frees_the_slot() {
+    fn each_failed_probe_doubles_the_wait_up_to_the_back_off() {
         let start = Instant::now();
         let mut outage = Outage::default();
         outage.failed(false, start, BACK_OFF, &Error::Timeout);
-        let after = start + BACK_OFF;
-        assert_eq!(outage.route(after), Route::Redis { probe: true });
-        outage.failed(true, after, BACK_OFF, &Error::Unavailable("refused".into()));
-        assert_eq!(outage.route(after + Duration::from_secs(1)), Route::Policy);
+        let mut at = start + FIRST_PROBE;
+        assert_eq!(outage.route(at), Route::Probe);
+        for wait_ms in [200, 400, 800, 1_600, 3_200, 5_000, 5_000] {
+            outage.failed(true, at, BACK_OFF, &Error::Unavailable("refused".into()));
+            let wait = Duration::from_millis(wait_ms);
+            assert_eq!(
+                outage.route(at + wait - Duration::from_millis(1)),
+                Route::Policy
+            );
+            at += wait;
+            assert_eq!(outage.route(at), Route::Probe, "{wait_ms}");
+        }
         assert!(outage
             .backing_off_error()
             .to_string()
             .contains("backing off after: redis is unavailable: refused"));
-        let later = after + BACK_OFF;
-        assert_eq!(outage.route(later), Route::Redis { probe: true });
         outage.probe_abandoned();
-        assert_eq!(outage.route(later), Route::Redis { probe: true });
+        assert_eq!(outage.route(at), Route::Probe);
+        assert!(outage.answered());
+        // A new outage starts from the first probe's wait again.
+        outage.failed(false, at, BACK_OFF, &Error::Timeout);
+        assert_eq!(outage.route(at + FIRST_PROBE), Route::Probe);
     }
 
     #[test]
-    fn only_the_probe_ends_a_back_off() {
-        let start = Instant::now();
-        let mut outage = Outage::default();
-        outage.failed(false, start, BACK_OFF, &Error::Timeout);
-        // A call sent before the outage answers during the back-off.
-        assert!(!outage.answered(false));
-        assert_eq!(outage.route(start), Route::Policy);
-    }
-
-    #[test]
-    fn concurrent_failures_extend_one_back_off_and_zero_means_none() {
+    fn concurrent_failures_move_nothing_and_zero_means_none() {
         let start = Instant::now();
         let mut outage = Outage::default();
         outage.failed(false, start, BACK_OFF, &Error::Timeout);
         outage.failed(
             false,
-            start + Duration::from_secs(1),
+            start + Duration::from_millis(50),
             BACK_OFF,
             &Error::Timeout,
         );
-        assert_eq!(outage.route(start + BACK_OFF), Route::Policy);
-        assert_eq!(
-            outage.route(start + Duration::from_secs(6)),
-            Route::Redis { probe: true }
-        );
+        assert_eq!(outage.route(start + FIRST_PROBE), Route::Probe);
 
         let mut never = Outage::default();
         never.failed(false, start, Duration::ZERO, &Error::Timeout);
-        assert_eq!(never.route(start), Route::Redis { probe: false });
+        assert_eq!(never.route(start), Route::Redis);
 
-        let mut long = Outage::default();
-        long.failed(false, start, Duration::MAX, &Error::Timeout);
-        assert_eq!(long.route(start + Duration::from_secs(3600)), Route::Policy);
+        let mut short = Outage::default();
+        short.failed(false, start, Duration::from_millis(30), &Error::Timeout);
+        assert_eq!(
+            short.route(start + Duration::from_millis(30)),
+            Route::Probe,
+            "never later than the back-off"
+        );
     }
 
     #[test]

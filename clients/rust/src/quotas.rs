@@ -156,11 +156,10 @@ where
         }
         let args = check(|words| quota::parse_quota(words, true), &words)?;
         let remote = async {
-            let command = command(&words);
             let reply: Vec<i64> = if seed {
-                this.module_call(&command).await?
+                this.module_call(&command(&words)).await?
             } else {
-                this.module_call_replayable(&command).await?
+                this.spend_call(&words, this.request_id().is_none()).await?
             };
             let usage = QuotaUsage::from_reply(&reply).map_err(|why| Error::Server(why.into()))?;
             lock(&this.node.local).quotas.saw(

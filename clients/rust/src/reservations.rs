@@ -118,7 +118,7 @@ where
                 // Counted before it is sent: a drop commits it whether it ran or not.
                 self.charged = self.charged.saturating_add(tokens);
                 self.limiter
-                    .record_as(&keys, tokens, self.window, &self.id, true)
+                    .record_as(&keys, tokens, self.window, &self.id, true, false)
                     .await
             }
             AnsweredBy::Local => {
@@ -147,7 +147,7 @@ where
                 self.open = false;
                 let answer = self
                     .limiter
-                    .record_as(&keys, actual, self.window, &self.id, false)
+                    .record_as(&keys, actual, self.window, &self.id, false, false)
                     .await;
                 if !matches!(
                     answer,

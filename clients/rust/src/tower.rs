@@ -279,12 +279,11 @@ where
 {
     /// The layer's limiter, for what runs after the request (rows reported late).
     base: &'a Limiter<C>,
-    /// The limiter with the request's id on every call that counts (so a call replayed
-    /// after a dropped connection counts once).
+    /// The limiter for this request: its calls share one deadline.
     limiter: Limiter<C>,
     config: &'a Config,
     /// Made for this request, never the caller's text (a caller choosing ids would get
-    /// replays, uncharged, and could share a slot): its calls' id and its slot's lease id.
+    /// replays, uncharged, and could share a slot): its slot's lease id.
     id: String,
     request_id: String,
     quota_key: Option<String>,
@@ -304,8 +303,9 @@ where
 {
     fn new(limiter: &'a Limiter<C>, config: &'a Config, parts: &Parts) -> Self {
         let id = new_request_id();
-        let mut view = limiter.clone();
-        view.id = Some(id.as_str().into());
+        // One deadline for every call the request makes (buckets, quota, slot); the
+        // limiter's own ids (none on an admission, one kept seconds on a quota add).
+        let view = limiter.for_request();
         let request_id = parts
             .headers
             .get("x-request-id")

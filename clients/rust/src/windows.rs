@@ -11,8 +11,9 @@ use redis::aio::ConnectionLike;
 
 use crate::decision::{Admission, AnsweredBy, Recorded, RetryAfter, Scope};
 use crate::error::Error;
-use crate::limiter::{check, command, Answer, Instead, Limiter};
+use crate::limiter::{check, command, unix_micros, Answer, Instead, Limiter};
 use crate::local::share_of;
+use crate::mutex::lock;
 
 impl Answer for Admission {
     fn answered_by(&self) -> Option<AnsweredBy> {
@@ -97,7 +98,21 @@ where
                 sent.store(true, Ordering::Release);
             }
             let reply: Vec<i64> = this.module_call_replayable(&command(&words)).await?;
-            Admission::from_reply(&reply).map_err(|why| Error::Server(why.into()))
+            let admission =
+                Admission::from_reply(&reply).map_err(|why| Error::Server(why.into()))?;
+            // Redis's last word on the chain, where local counting would begin.
+            let chain: Vec<(&str, u64, u64)> = scopes
+                .iter()
+                .map(|scope| (scope.key.as_str(), scope.rpm, scope.tpm))
+                .collect();
+            lock(&this.node.local).windows.saw(
+                &chain,
+                &clock(window, unix_micros()),
+                admission.requests_remaining,
+                admission.tokens_remaining,
+                this.options.local_share,
+            );
+            Ok(admission)
         };
         let answer = this
             .run(remote, |instead| {
@@ -156,13 +171,15 @@ where
         tokens: u64,
         window: Option<u32>,
     ) -> Result<Recorded, Error> {
-        self.record_as(keys, tokens, window, &self.call_id(), false)
+        let own_id = self.request_id().is_none();
+        self.record_as(keys, tokens, window, &self.call_id(), false, own_id)
             .await
     }
 
     /// QAG.RECORD with `id`: a commit of its reservation, if it has one, or with
     /// `partial` a part of its count paid early (never resent: the commit settles a
-    /// partial that ran twice or never).
+    /// partial that ran twice or never). `own_id`: the limiter's own id of a plain
+    /// record, remembered seconds (KEEP), not ID-SECONDS.
     pub(crate) async fn record_as(
         &self,
         keys: &[&str],
@@ -170,6 +187,7 @@ where
         window: Option<u32>,
         id: &str,
         partial: bool,
+        own_id: bool,
     ) -> Result<Recorded, Error> {
         let this = &self.for_keys(keys).await?;
         let mut words = record_words(keys, tokens, window, id);
@@ -178,11 +196,10 @@ where
         }
         check(|words| window::parse_record(words), &words)?;
         let remote = async {
-            let command = command(&words);
             let charged: i64 = if partial {
-                this.module_call(&command).await?
+                this.module_call(&command(&words)).await?
             } else {
-                this.module_call_replayable(&command).await?
+                this.spend_call(&words, own_id).await?
             };
             Ok(Recorded {
                 charged: charged.max(0) as u64,

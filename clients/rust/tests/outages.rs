@@ -16,37 +16,6 @@ use qag_client::{
 };
 use redis::aio::ConnectionManager;
 
-/// A stopped server, continued when the test ends however it ends.
-struct Stopped(Option<u32>);
-
-impl Stopped {
-    fn new(server: &Server) -> Stopped {
-        signal("-STOP", server.pid());
-        Stopped(Some(server.pid()))
-    }
-
-    fn resume(&mut self) {
-        if let Some(pid) = self.0.take() {
-            signal("-CONT", pid);
-        }
-    }
-}
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        self.resume();
-    }
-}
-
-fn signal(which: &str, pid: u32) {
-    let status = Command::new("kill")
-        .arg(which)
-        .arg(pid.to_string())
-        .status()
-        .expect("run kill");
-    assert!(status.success(), "kill {which} {pid}");
-}
-
 const DEADLINE: Duration = Duration::from_millis(500);
 
 async fn limiter(server: &Server, options: Options) -> Limiter<ConnectionManager> {
@@ -654,4 +623,158 @@ async fn a_restart_is_no_outage() {
         assert!(!limiter.backing_off());
     }
     assert_eq!(limiter.counts().errors, 0);
+}
+
+/// Both cores of the machine kept busy by processes of their own (as a loaded gateway
+/// host is), stopped when dropped however the test ends.
+struct BusyCores(Vec<std::process::Child>);
+
+impl BusyCores {
+    fn start() -> BusyCores {
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        BusyCores(
+            (0..cores)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .expect("start a burner")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for BusyCores {
+    fn drop(&mut self) {
+        for burner in &mut self.0 {
+            let _ = burner.kill();
+            let _ = burner.wait();
+        }
+    }
+}
+
+/// Issue 34: 1,000 concurrent pairs on a machine whose cores are busy, the default
+/// deadline, a healthy server: none decided locally, no back-off, and nothing allows
+/// more than the key bucket's 60.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_gateways_own_load_is_no_outage() {
+    if external("the_gateways_own_load_is_no_outage") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let limiter = limiter(&server, policy(OnUnavailable::Local)).await;
+    let key = Bucket::with_key("qag:ratelimit:key:60/3600:acme~loaded", 60, 3600.0);
+    let _busy = BusyCores::start();
+    let started = Instant::now();
+    let calls: Vec<_> = (0..1000)
+        .map(|n| {
+            let limiter = limiter.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                let client = Bucket::with_key(
+                    format!("qag:ratelimit:client:100000/1:10.1.{}.1", n % 250),
+                    100_000,
+                    1.0,
+                );
+                limiter.take_pair(&client, &key, 1).await
+            })
+        })
+        .collect();
+    let mut allowed = 0;
+    for call in calls {
+        let pair = call.await.unwrap().unwrap();
+        allowed += u64::from(pair.key.is_some_and(|key| key.allowed));
+    }
+    let elapsed = started.elapsed();
+    let counts = limiter.counts();
+    assert_eq!((counts.local, counts.forwarded), (0, 0), "{counts:?}");
+    assert!(!limiter.backing_off());
+    assert!(allowed <= 60 + (elapsed.as_secs_f64() * 60.0 / 3600.0).ceil() as u64);
+    assert_eq!(counts.module, 1000);
+    println!("1000 answered by Redis in {elapsed:?}");
+}
+
+/// Issue 34: a bucket drained in Redis, a lease count at its max and a quota at its
+/// limit are not counted locally from fresh once Redis stops answering: local counting
+/// begins from Redis's last word, so 100 calls allow only what refilled.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drained_limit_stays_drained_when_redis_stops() {
+    if external("a_drained_limit_stays_drained_when_redis_stops") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let options = Options {
+        back_off: Duration::from_secs(60),
+        ..policy(OnUnavailable::Local)
+    };
+    let limiter = limiter(&server, options).await;
+    let bucket = Bucket::with_key("qag:ratelimit:key:60/3600:acme~drained", 60, 3600.0);
+    for _ in 0..60 {
+        assert!(limiter.take(&bucket, 1).await.unwrap().allowed);
+    }
+    assert!(!limiter.take(&bucket, 1).await.unwrap().allowed);
+    let slots = "qag:running:acme~drained";
+    let mut held = Vec::new();
+    for n in 0..2 {
+        match limiter
+            .lease(slots, 2, Duration::from_secs(60), &format!("held-{n}"))
+            .await
+            .unwrap()
+        {
+            Lease::Held(guard) => held.push(guard),
+            Lease::Refused(refusal) => panic!("{refusal:?}"),
+        }
+    }
+    let quota = Quota {
+        per: Per::Month,
+        zone: "UTC".into(),
+        calls: Some(5),
+        rows: None,
+    };
+    let quota_key = "qag:quota:acme~drained";
+    assert_eq!(
+        limiter
+            .quota_add(quota_key, &quota, 5, 0)
+            .await
+            .unwrap()
+            .calls,
+        5
+    );
+    assert!(
+        !limiter
+            .quota_check(quota_key, &quota)
+            .await
+            .unwrap()
+            .allowed
+    );
+    let started = Instant::now();
+    let _stopped = Stopped::new(&server);
+    let mut allowed = 0;
+    let mut local = 0;
+    for _ in 0..100 {
+        let decision = limiter.take(&bucket, 1).await.unwrap();
+        allowed += u64::from(decision.allowed);
+        local += u64::from(decision.answered_by == AnsweredBy::Local);
+    }
+    let refilled = (started.elapsed().as_secs_f64() * 60.0 / 3600.0).ceil() as u64;
+    assert!(local >= 99, "{local} decided locally");
+    assert!(
+        allowed <= refilled,
+        "{allowed} allowed, {refilled} refilled"
+    );
+    match limiter
+        .lease(slots, 2, Duration::from_secs(60), "new")
+        .await
+        .unwrap()
+    {
+        Lease::Refused(refusal) => assert_eq!(refusal.answered_by, AnsweredBy::Local),
+        Lease::Held(_) => panic!("a third lease of 2 held locally"),
+    }
+    let check = limiter.quota_check(quota_key, &quota).await.unwrap();
+    assert_eq!(
+        (check.allowed, check.answered_by),
+        (false, AnsweredBy::Local)
+    );
+    drop(held);
 }

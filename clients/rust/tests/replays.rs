@@ -28,6 +28,8 @@ type Hook = Box<dyn FnOnce(&AtomicU16) + Send>;
 struct Relay {
     port: u16,
     dropped: Arc<AtomicUsize>,
+    /// Where new connections go.
+    target: Arc<AtomicU16>,
 }
 
 impl Relay {
@@ -41,6 +43,7 @@ impl Relay {
         // RESP spells a command word as a bulk string: `$8\r\nQAG.TAKE\r\n`.
         let marker = format!("${}\r\n{marker}\r\n", marker.len()).into_bytes();
         let relay_dropped = dropped.clone();
+        let target = relay_target.clone();
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 let Ok(client) = client else { return };
@@ -54,7 +57,11 @@ impl Relay {
                 });
             }
         });
-        Relay { port, dropped }
+        Relay {
+            port,
+            dropped,
+            target,
+        }
     }
 
     fn url(&self) -> String {
@@ -556,4 +563,122 @@ async fn caller_ids_are_checked_and_one_id_counts_once() {
     assert_eq!(limiter.take(&bucket, 1).await.unwrap().remaining, 8);
     assert_eq!(limiter.take(&bucket, 1).await.unwrap().remaining, 7);
     server.shutdown();
+}
+
+/// Blocks until `replica` has everything `primary` wrote (their offsets equal).
+fn caught_up(primary: &mut Connection, replica: &mut Connection) {
+    let offset = |con: &mut Connection, field: &str| -> i64 {
+        let info: String = cmd("INFO").arg("replication").query(con).unwrap();
+        info.lines()
+            .find_map(|line| line.strip_prefix(field)?.trim().parse().ok())
+            .unwrap_or(-1)
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while offset(primary, "master_repl_offset:") != offset(replica, "slave_repl_offset:") {
+        assert!(
+            std::time::Instant::now() < until,
+            "the replica never caught up"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Issue 34: a manual failover while 50 callers run, the address (a relay, as a DNS
+/// name or a managed endpoint) moved to the new primary: the old primary, demoted,
+/// answers READONLY to the calls it held, each is sent once more on a fresh connection
+/// and answered there. Every call is answered, each counted once (the tokens taken
+/// and the quota's count are what the callers were told).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_demoted_primary_is_a_failover_not_an_error() {
+    if external("a_demoted_primary_is_a_failover_not_an_error") {
+        return;
+    }
+    let (primary, replica) = primary_and_linked_replica(false);
+    let relay = Relay::new(primary.port, "NO.SUCH.COMMAND", None);
+    let limiter = limiter_at(&relay.url(), Duration::from_secs(3)).await;
+    // A refill of 0.01 a second: what the callers were told is what the bucket lost.
+    let bucket = Bucket::named("key", 1_000_000, 1e8, "acme~failover");
+    let quota = Quota {
+        per: Per::Day,
+        zone: "UTC".into(),
+        calls: Some(1_000_000),
+        rows: None,
+    };
+    let quota_key = "qag:quota:{acme~failover}";
+    let running = Arc::new(AtomicBool::new(true));
+    let callers: Vec<_> = (0..50)
+        .map(|_| {
+            let (limiter, bucket, quota, running) = (
+                limiter.clone(),
+                bucket.clone(),
+                quota.clone(),
+                running.clone(),
+            );
+            tokio::spawn(async move {
+                let (mut taken, mut added) = (0u64, 0u64);
+                while running.load(Ordering::SeqCst) {
+                    let decision = limiter.take(&bucket, 1).await.unwrap();
+                    assert_eq!(decision.answered_by, AnsweredBy::Module);
+                    taken += u64::from(decision.allowed);
+                    limiter.quota_add(quota_key, &quota, 1, 0).await.unwrap();
+                    added += 1;
+                }
+                (taken, added)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut p = primary.client().get_connection().unwrap();
+    let mut r = replica.client().get_connection().unwrap();
+    // The old primary holds writes while the replica catches up and takes over; then
+    // it follows it, and answers the writes it held READONLY.
+    let _: () = cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(5000)
+        .arg("WRITE")
+        .query(&mut p)
+        .unwrap();
+    caught_up(&mut p, &mut r);
+    let _: () = cmd("REPLICAOF").arg("NO").arg("ONE").query(&mut r).unwrap();
+    relay.target.store(replica.port, Ordering::SeqCst);
+    let _: () = cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(replica.port)
+        .query(&mut p)
+        .unwrap();
+    let _: () = cmd("CLIENT").arg("UNPAUSE").query(&mut p).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.store(false, Ordering::SeqCst);
+    let (mut taken, mut added) = (0, 0);
+    for caller in callers {
+        let (t, a) = caller.await.unwrap();
+        taken += t;
+        added += a;
+    }
+    let counts = limiter.counts();
+    assert_eq!((counts.errors, counts.local, counts.forwarded), (0, 0, 0));
+    let left = bucket_fields(&mut r, bucket.key()).unwrap().0;
+    assert_eq!(
+        1_000_000 - left.floor() as u64,
+        taken,
+        "each take counted once"
+    );
+    let calls: i64 = cmd("QAG.QUOTA")
+        .arg(quota_key)
+        .arg("PER")
+        .arg("day")
+        .arg("TZ")
+        .arg("UTC")
+        .arg("CALLS")
+        .arg(1_000_000)
+        .query::<Vec<Value>>(&mut r)
+        .map(|reply| match reply[1] {
+            Value::Int(remaining) => 1_000_000 - remaining,
+            _ => -1,
+        })
+        .unwrap();
+    assert_eq!(calls as u64, added, "each add counted once");
+    let info: String = cmd("INFO").arg("replication").query(&mut p).unwrap();
+    assert!(info.contains("role:slave"), "{info}");
+    println!("{taken} takes and {added} adds across the failover");
 }

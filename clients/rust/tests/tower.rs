@@ -423,3 +423,39 @@ async fn a_cancelled_request_leaves_no_hold() {
     drop(response);
     nothing_left(&mut con, 1200, "a stream cancelled after two parts");
 }
+
+/// Issue 34: a request with two buckets, a quota and a slot, each asked of a Redis that
+/// no longer answers (SIGSTOP, no back-off: every call goes to Redis), waits one
+/// deadline (0.5 s) in all, not one a call: the request's calls share it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopped_redis_costs_a_request_one_deadline() {
+    if external("a_stopped_redis_costs_a_request_one_deadline") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let flags = [
+        "--client-limit",
+        "100/1",
+        "--key-limit",
+        "100/3600",
+        "--max-concurrent",
+        "4",
+        "--quota-calls",
+        "1000",
+        "--policy",
+        "local",
+        "--back-off",
+        "0",
+    ];
+    let gateway = Gateway::start(&server, &flags);
+    let url = gateway.url("key=acme~d");
+    assert_eq!(get(&url).await.0, 200);
+    let _stopped = Stopped::new(&server);
+    for _ in 0..3 {
+        let started = Instant::now();
+        let (status, _, _) = get(&url).await;
+        let took = started.elapsed();
+        assert_eq!(status, 200, "counted locally");
+        assert!(took < Duration::from_millis(750), "{took:?}");
+    }
+}
