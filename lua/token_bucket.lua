@@ -2,7 +2,8 @@
 -- KEYS[1]: the bucket (a hash with fields `tokens` and `ts`).
 -- ARGV[1]: count, the capacity and the tokens refilled per period.
 -- ARGV[2]: period in seconds. ARGV[3]: cost, default 1.
--- Reply: {allowed (1/0), floor(tokens left), retry after (whole seconds; -1: never fits)}.
+-- Reply: {allowed (1/0), floor(tokens left) (0 when below), retry after (whole seconds;
+-- -1: never fits)}.
 -- Uses only TIME, HMGET, HSET and EXPIRE.
 local key = KEYS[1]
 local count = tonumber(ARGV[1])
@@ -43,5 +44,7 @@ end
 
 -- The stored time never moves backward, so a clock stepped back mints no credit.
 redis.call('HSET', key, 'tokens', tokens, 'ts', math.max(ts, now))
-redis.call('EXPIRE', key, math.ceil(period))
-return {allowed, math.floor(tokens), retry}
+-- Kept until full: a period, and for a bucket that QAG.TAKE's waiters charged ahead
+-- (below zero), the time to refill what they owe (at most a longest wait, 60 s).
+redis.call('EXPIRE', key, math.ceil(period + math.min(math.max(0, -tokens) / rate, 60)))
+return {allowed, math.max(0, math.floor(tokens)), retry}

@@ -2,7 +2,8 @@
 -- KEYS[1]: the bucket (a hash with fields `tokens` and `ts`).
 -- ARGV[1]: count, the capacity and the tokens refilled per period.
 -- ARGV[2]: period in seconds. ARGV[3]: n, the tokens to give back.
--- Reply: floor(tokens left), after refilling to now and adding n, never above count.
+-- Reply: floor(tokens left) (0 when below), after refilling to now and adding n, never
+-- above count.
 -- A missing bucket is full: nothing is written. Uses only TIME, HMGET, HSET and EXPIRE.
 local key = KEYS[1]
 local count = tonumber(ARGV[1])
@@ -34,5 +35,6 @@ tokens = math.min(count, tokens + elapsed * rate)
 tokens = math.min(count, tokens + n)
 
 redis.call('HSET', key, 'tokens', tokens, 'ts', math.max(ts, now))
-redis.call('EXPIRE', key, math.ceil(period))
-return math.floor(tokens)
+-- Kept until full, as token_bucket.lua keeps it.
+redis.call('EXPIRE', key, math.ceil(period + math.min(math.max(0, -tokens) / rate, 60)))
+return math.max(0, math.floor(tokens))

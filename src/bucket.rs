@@ -1,20 +1,22 @@
 //! The token-bucket family: QAG.TAKE, QAG.TAKE2 and QAG.PEEK, the native twins of
 //! `lua/token_bucket.lua` on the same hash (`tokens`, `ts`), and QAG.REFUND, the twin of
-//! `lua/token_refund.lua`.
+//! `lua/token_refund.lua`. With `WAIT ms`, a take that would fit within `ms` is charged
+//! when it arrives and answered when its tokens exist (wait.rs holds it).
 
 use qag_core::replay::IdArg;
 use std::ffi::CStr;
 
 use qag_core::args::ArgList;
-use qag_core::bucket::{self, Limit, State, Take as Outcome, Verdict};
+use qag_core::bucket::{self, Limit, State, Take as Outcome, Verdict, Waiting};
 use qag_core::number::{format_number, NumberBuffer};
 
-use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply, ID_ARG};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply, Row, ID_ARG, WAIT_ARG};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
 use crate::replay::{self, Remembered, RequestId};
 use crate::server::RawString;
 use crate::server::{CommandError, Ctx};
-use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY};
+use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY, WAITS};
+use crate::wait::{self, Held, Serve};
 
 static TOKENS: FieldName = FieldName::new("tokens");
 static TS: FieldName = FieldName::new("ts");
@@ -41,8 +43,17 @@ impl<'a> Bucket<'a> {
         limit: Limit,
         access: Access,
     ) -> Result<Self, CommandError> {
+        Self::open_named(ctx, raw_args.string(key), limit, access)
+    }
+
+    fn open_named(
+        ctx: &'a Ctx,
+        name: RawString,
+        limit: Limit,
+        access: Access,
+    ) -> Result<Self, CommandError> {
         Ok(Bucket {
-            key: Key::open(ctx, raw_args.string(key), access, ValueType::Hash)?,
+            key: Key::open(ctx, name, access, ValueType::Hash)?,
             limit,
         })
     }
@@ -114,10 +125,10 @@ impl<'a> Bucket<'a> {
             written += 1;
         }
         self.key.set_fields(&fields[..written]);
-        let (ts, period) = (state.ts, self.limit.period);
+        let (state, limit) = (*state, self.limit);
         let own_id = remembered.map_or(0, |r| r.keep_until);
         self.key.expire_given(|current, key| {
-            let full = bucket::expiry_after_call(current, now_micros, ts, period);
+            let full = bucket::expiry_after_call(current, now_micros, &state, limit);
             // A hash that remembers request ids (fields beyond `tokens` and `ts`) keeps
             // its expiry for them, as long as it is not full earlier: only an expiry
             // about to move earlier needs the look at its fields.
@@ -154,13 +165,14 @@ const TAKE_ARGS: &[Arg] = &[
     PEEK_ARGS[2],
     PEEK_ARGS[3],
     ID_ARG,
+    WAIT_ARG,
 ];
 
 static TAKE: CallCounters = CallCounters::new();
 static TAKE_PAIR: CallCounters = CallCounters::new();
 static PEEK: CallCounters = CallCounters::new();
 
-/// QAG.TAKE key count period [COST n] [ID request-id]
+/// QAG.TAKE key count period [COST n] [ID request-id] [WAIT ms]
 pub struct Take;
 
 impl Command for Take {
@@ -182,20 +194,233 @@ impl Command for Take {
         let now = ctx.now_micros();
         let (stored, id) = bucket.read(ctx, args, take.id.map(|index| ("take", index)), now);
         if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
-            return Ok(reply);
+            return Ok(replayed(ctx, reply, now, args.get(take.key)));
         }
         let seconds = bucket::seconds_from_micros(now);
-        let outcome = bucket::take(take.limit, take.cost, stored, seconds);
-        let reply = || Reply::Array(outcome.verdict.as_reply().into());
-        // Built where it is needed: a reply is a hundred bytes to copy.
-        let remembered = id.map(|id| id.remember(ctx, &mut bucket.key, &reply(), now / 1000));
-        bucket.write(ctx, &outcome.state, now, remembered.as_ref());
-        TAKE.allowed_or_refused(outcome.verdict.allowed);
-        Ok(reply())
+        let Some(wait_ms) = take.wait else {
+            let outcome = bucket::take(take.limit, take.cost, stored, seconds);
+            let reply = || Reply::Array(outcome.verdict.as_reply().into());
+            // Built where it is needed: a reply is a hundred bytes to copy.
+            let remembered = id.map(|id| id.remember(ctx, &mut bucket.key, &reply(), now / 1000));
+            bucket.write(ctx, &outcome.state, now, remembered.as_ref());
+            TAKE.allowed_or_refused(outcome.verdict.allowed);
+            return Ok(reply());
+        };
+        let waiting = bucket::take_waiting(take.limit, take.cost, stored, seconds, wait_ms);
+        let (state, wait_micros) = match (waiting, wait::room(ctx)) {
+            (Waiting::Later { state, wait_micros }, Ok(())) => (state, wait_micros),
+            // Answered now, as without WAIT: a fourth element, nothing waited.
+            _ => {
+                let outcome = bucket::take(take.limit, take.cost, stored, seconds);
+                let reply = Reply::Array(waited_row(outcome.verdict, 0));
+                count_refusal(&waiting, &outcome.verdict);
+                let remembered = id.map(|id| id.remember(ctx, &mut bucket.key, &reply, now / 1000));
+                bucket.write(ctx, &outcome.state, now, remembered.as_ref());
+                TAKE.allowed_or_refused(outcome.verdict.allowed);
+                return Ok(reply);
+            }
+        };
+        let due = now + wait_micros;
+        let served = Verdict {
+            allowed: true,
+            tokens_left: 0,
+            retry_after: 0,
+        };
+        let id_field = id.as_ref().map(RequestId::field_bytes);
+        let remembered = id.map(|id| {
+            let record = Reply::Array(due_row(served, wait_micros, due));
+            id.remember_until(ctx, &mut bucket.key, &record, now / 1000, due / 1000)
+        });
+        bucket.write(ctx, &state, now, remembered.as_ref());
+        TAKE.allowed_or_refused(true);
+        let held = HeldTake {
+            keys: vec![args.get(take.key).to_vec()],
+            limits: vec![take.limit],
+            cost: take.cost,
+            due: vec![due],
+            answer: WaitedAnswer::One(served),
+            id_field,
+            charged: true,
+        };
+        Ok(wait::hold(ctx, Box::new(held), due, true))
     }
 }
 
-/// QAG.TAKE2 ckey ccount cperiod kkey kcount kperiod [COST n] [ID request-id]
+/// A verdict with how long the call waited, the reply of a call with WAIT.
+fn waited_row(verdict: Verdict, waited_ms: i64) -> Row {
+    let [allowed, left, retry] = verdict.as_reply();
+    Row::from([allowed, left, retry, waited_ms])
+}
+
+/// What a call that waits remembers under its request id: its answer, how long it was
+/// to wait (ms), and when its tokens exist (Unix ms), so that a replay waits only what
+/// is left of it.
+fn due_row(verdict: Verdict, wait_micros: i64, due_micros: i64) -> Row {
+    let [allowed, left, retry] = verdict.as_reply();
+    let wait_ms = qag_core::wait::millis_up(wait_micros);
+    Row::from([
+        allowed,
+        left,
+        retry,
+        wait_ms,
+        qag_core::wait::millis_up(due_micros),
+    ])
+}
+
+/// A call with WAIT answered at once: refused because its tokens would come too late,
+/// counted as such.
+fn count_refusal(waiting: &Waiting, verdict: &Verdict) {
+    if matches!(waiting, Waiting::Now(_)) && !verdict.allowed && verdict.retry_after >= 0 {
+        WAITS.refused();
+    }
+}
+
+/// A take's (or a pair's) remembered reply, answered again: one that waited is answered
+/// at its time (held until then, its first call's charge standing: nothing to give back),
+/// without the time it was due.
+fn replayed(ctx: &Ctx, reply: Reply, now: i64, key: &[u8]) -> Reply {
+    let due_of = |row: &Row| row.values().get(4).copied().flatten();
+    let (due, answer) = match reply {
+        Reply::Array(row) => match due_of(&row) {
+            Some(due) => (due, WaitedAnswer::One(verdict_of(&row))),
+            None => return reply,
+        },
+        Reply::Pair(client, Some(key_row)) => match due_of(&client) {
+            Some(due) => (
+                due,
+                WaitedAnswer::Pair(verdict_of(&client), Some(verdict_of(&key_row))),
+            ),
+            None => return reply,
+        },
+        _ => return reply,
+    };
+    let due = due.saturating_mul(1000);
+    let planned = |row: &Row| row.values().get(3).copied().flatten().unwrap_or(0);
+    let waited_then = match reply {
+        Reply::Array(row) | Reply::Pair(row, _) => planned(&row),
+        _ => 0,
+    };
+    if due <= now || wait::room(ctx).is_err() {
+        return answer.reply(waited_then);
+    }
+    let held = HeldTake {
+        keys: vec![key.to_vec()],
+        limits: Vec::new(),
+        cost: 0,
+        due: vec![due],
+        answer,
+        id_field: None,
+        charged: false,
+    };
+    wait::hold(ctx, Box::new(held), due, true)
+}
+
+fn verdict_of(row: &Row) -> Verdict {
+    let value = |index: usize| row.values().get(index).copied().flatten().unwrap_or(0);
+    Verdict {
+        allowed: value(0) == 1,
+        tokens_left: value(1),
+        retry_after: value(2),
+    }
+}
+
+/// What a waiting take answers when served: TAKE's verdict, or TAKE2's two.
+#[derive(Clone, Copy)]
+enum WaitedAnswer {
+    One(Verdict),
+    Pair(Verdict, Option<Verdict>),
+}
+
+impl WaitedAnswer {
+    fn reply(&self, waited_ms: i64) -> Reply {
+        match *self {
+            WaitedAnswer::One(verdict) => Reply::Array(waited_row(verdict, waited_ms)),
+            WaitedAnswer::Pair(client, key) => Reply::Pair(
+                waited_row(client, waited_ms),
+                key.map(|key| waited_row(key, waited_ms)),
+            ),
+        }
+    }
+}
+
+/// A take (or a pair) charged when it arrived, answered when the tokens of each of its
+/// buckets exist.
+struct HeldTake {
+    keys: Vec<Vec<u8>>,
+    limits: Vec<Limit>,
+    cost: i64,
+    /// When each bucket's tokens exist, Unix microseconds: it is served at the latest.
+    due: Vec<i64>,
+    answer: WaitedAnswer,
+    /// The request id's field in the first key, forgotten with a give-back (the
+    /// request was charged nothing, so may be sent again).
+    id_field: Option<Vec<u8>>,
+    /// False for a replay, which holds what its first call was charged.
+    charged: bool,
+}
+
+impl HeldTake {
+    fn due(&self) -> i64 {
+        self.due.iter().copied().max().unwrap_or(0)
+    }
+}
+
+impl Held for HeldTake {
+    fn keys(&self) -> &[Vec<u8>] {
+        &self.keys
+    }
+
+    fn serve(&mut self, _ctx: &Ctx, _now_micros: i64, waited_ms: i64) -> Serve {
+        Serve::Now(self.answer.reply(waited_ms))
+    }
+
+    fn refusal(&self, _ctx: &Ctx, now_micros: i64, waited_ms: i64) -> Reply {
+        let retry = (self.due() - now_micros).max(0) as f64 / 1e6;
+        let refused = Verdict {
+            allowed: false,
+            tokens_left: 0,
+            retry_after: retry.ceil() as i64,
+        };
+        match self.answer {
+            WaitedAnswer::One(_) => Reply::Array(waited_row(refused, waited_ms)),
+            WaitedAnswer::Pair(..) => Reply::Pair(waited_row(refused, waited_ms), None),
+        }
+    }
+
+    fn give_back(&mut self, ctx: &Ctx, now_micros: i64) -> Vec<(usize, f64)> {
+        let mut given = Vec::new();
+        if !self.charged {
+            return given;
+        }
+        let now = bucket::seconds_from_micros(now_micros);
+        for (index, (name, limit)) in self.keys.iter().zip(&self.limits).enumerate() {
+            let name = OwnedString::new(ctx, name);
+            let Ok(mut bucket) = Bucket::open_named(ctx, name.raw, *limit, Access::ReadWrite)
+            else {
+                continue;
+            };
+            let back = bucket::refund(*limit, self.cost, bucket.stored(now), now);
+            if let Some(state) = back.state {
+                bucket.write(ctx, &state, now_micros, None);
+            }
+            if let (0, Some(field)) = (index, &self.id_field) {
+                bucket
+                    .key
+                    .delete_fields(&[OwnedString::new(ctx, field).raw]);
+            }
+            given.push((index, back.given));
+        }
+        given
+    }
+
+    fn sooner(&mut self, key: usize, tokens: f64) -> Option<i64> {
+        let (limit, due) = (self.limits.get(key)?, self.due.get_mut(key)?);
+        *due -= bucket::refill_micros(*limit, tokens);
+        Some(self.due())
+    }
+}
+
+/// QAG.TAKE2 ckey ccount cperiod kkey kcount kperiod [COST n] [ID request-id] [WAIT ms]
 pub struct TakePair;
 
 impl Command for TakePair {
@@ -216,6 +441,7 @@ impl Command for TakePair {
         Arg::double(c"kperiod"),
         Arg::integer(c"cost").token(c"COST").optional(),
         ID_ARG,
+        WAIT_ARG,
     ];
     const COUNTERS: &'static CallCounters = &TAKE_PAIR;
     const OUTCOMES: &'static [&'static str] = &["allowed", "refused_client", "refused_key"];
@@ -225,20 +451,105 @@ impl Command for TakePair {
     }
 }
 
-/// TAKE2's reply and its outcome in INFO.
-fn pair_reply(client: Verdict, key: Option<Verdict>) -> Reply {
+/// TAKE2's reply and its outcome in INFO; with WAIT (`waited`), each row with how long
+/// the call waited.
+fn pair_reply(client: Verdict, key: Option<Verdict>, waited: Option<i64>) -> Reply {
     TAKE_PAIR.decided(match key {
         None => REFUSED,
         Some(key) if !key.allowed => REFUSED_KEY,
         Some(_) => ALLOWED,
     });
-    Reply::Pair(
-        client.as_reply().into(),
-        key.map(|key| key.as_reply().into()),
-    )
+    match waited {
+        Some(waited) => WaitedAnswer::Pair(client, key).reply(waited),
+        None => Reply::Pair(
+            client.as_reply().into(),
+            key.map(|key| key.as_reply().into()),
+        ),
+    }
+}
+
+/// A bucket's take within a wait: its state once charged and how long it waits (0:
+/// allowed now); None when it refuses.
+fn within_wait(waiting: Waiting) -> Option<(State, i64)> {
+    match waiting {
+        Waiting::Now(outcome) if outcome.verdict.allowed => Some((outcome.state, 0)),
+        Waiting::Later { state, wait_micros } => Some((state, wait_micros)),
+        Waiting::Now(_) => None,
+    }
 }
 
 impl TakePair {
+    /// TAKE2 … WAIT on two keys: Ok(the held call) when both buckets' tokens exist
+    /// within the wait and one is not there yet (both charged now); else Err(the id
+    /// back), and the call goes on as without WAIT.
+    #[allow(clippy::too_many_arguments)]
+    fn wait_both(
+        ctx: &Ctx,
+        args: &RawArgs,
+        pair: &bucket::TakePairArgs,
+        client: &mut Bucket,
+        stored: Option<State>,
+        id: Option<RequestId>,
+        now: i64,
+        wait_ms: i64,
+    ) -> Result<Result<Reply, Option<RequestId>>, CommandError> {
+        let seconds = bucket::seconds_from_micros(now);
+        let cost = pair.client.cost;
+        // Both keys open and of the right type before either is written.
+        let mut key = Bucket::open(ctx, args, pair.key.key, pair.key.limit, Access::ReadWrite)?;
+        let client_waiting =
+            bucket::take_waiting(pair.client.limit, cost, stored, seconds, wait_ms);
+        let key_waiting =
+            bucket::take_waiting(pair.key.limit, cost, key.stored(seconds), seconds, wait_ms);
+        let (Some((client_state, client_wait)), Some((key_state, key_wait))) =
+            (within_wait(client_waiting), within_wait(key_waiting))
+        else {
+            for waiting in [client_waiting, key_waiting] {
+                if let Waiting::Now(outcome) = waiting {
+                    count_refusal(&waiting, &outcome.verdict);
+                }
+            }
+            return Ok(Err(id));
+        };
+        if (client_wait == 0 && key_wait == 0) || wait::room(ctx).is_err() {
+            return Ok(Err(id));
+        }
+        let due = now + client_wait.max(key_wait);
+        let left = |state: &State| (state.tokens.floor() as i64).max(0);
+        let verdict = |left| Verdict {
+            allowed: true,
+            tokens_left: left,
+            retry_after: 0,
+        };
+        let (client_verdict, key_verdict) =
+            (verdict(left(&client_state)), verdict(left(&key_state)));
+        let id_field = id.as_ref().map(RequestId::field_bytes);
+        let remembered = id.map(|id| {
+            let wait_micros = due - now;
+            let record = Reply::Pair(
+                due_row(client_verdict, wait_micros, due),
+                Some(due_row(key_verdict, wait_micros, due)),
+            );
+            id.remember_until(ctx, &mut client.key, &record, now / 1000, due / 1000)
+        });
+        client.write(ctx, &client_state, now, remembered.as_ref());
+        key.write(ctx, &key_state, now, None);
+        TAKE_PAIR.decided(ALLOWED);
+        let held = HeldTake {
+            keys: vec![
+                args.get(pair.client.key).to_vec(),
+                args.get(pair.key.key).to_vec(),
+            ],
+            limits: vec![pair.client.limit, pair.key.limit],
+            cost,
+            due: vec![now + client_wait, now + key_wait],
+            answer: WaitedAnswer::Pair(client_verdict, Some(key_verdict)),
+            id_field,
+            charged: true,
+        };
+        Ok(Ok(wait::hold(ctx, Box::new(held), due, true)))
+    }
+
     /// Takes from the client bucket, then, when it allowed, from the key bucket. A
     /// request id lives in the client bucket's key, which every call writes.
     fn take_both(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
@@ -255,13 +566,26 @@ impl TakePair {
         let id = pair.client.id.map(|index| ("take2", index));
         let (stored, id) = client.read(ctx, args, id, now);
         if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
-            return Ok(reply);
+            return Ok(replayed(ctx, reply, now, args.get(pair.client.key)));
         }
         let seconds = bucket::seconds_from_micros(now);
+        let same_key = args.get(pair.client.key) == args.get(pair.key.key);
+        let waited = pair.client.wait.map(|_| 0);
+        // With WAIT on two buckets: both charged now and answered when the later's
+        // tokens exist, or, when either cannot be within the wait, as without WAIT.
+        let id = match (pair.client.wait, same_key) {
+            (Some(wait_ms), false) => {
+                match Self::wait_both(ctx, args, &pair, &mut client, stored, id, now, wait_ms)? {
+                    Ok(reply) => return Ok(reply),
+                    Err(id) => id,
+                }
+            }
+            _ => id,
+        };
         let client_outcome = bucket::take(pair.client.limit, cost, stored, seconds);
         let client_verdict = client_outcome.verdict;
 
-        if args.get(pair.client.key) == args.get(pair.key.key) {
+        if same_key {
             // One key as both buckets: the script run twice on it, through one handle.
             client.write(ctx, &client_outcome.state, now, None);
             let mut again = Bucket {
@@ -269,7 +593,7 @@ impl TakePair {
                 ..client
             };
             let key_outcome = client_verdict.allowed.then(|| again.take(cost, now));
-            let reply = pair_reply(client_verdict, key_outcome.map(|o| o.verdict));
+            let reply = pair_reply(client_verdict, key_outcome.map(|o| o.verdict), waited);
             let remembered = id.map(|id| id.remember(ctx, &mut again.key, &reply, now / 1000));
             match key_outcome {
                 Some(outcome) => again.write(ctx, &outcome.state, now, remembered.as_ref()),
@@ -287,7 +611,7 @@ impl TakePair {
                 pair.key.limit,
                 Access::ReadUntouched,
             )?;
-            let reply = pair_reply(client_verdict, None);
+            let reply = pair_reply(client_verdict, None, waited);
             let remembered = id.map(|id| id.remember(ctx, &mut client.key, &reply, now / 1000));
             client.write(ctx, &client_outcome.state, now, remembered.as_ref());
             return Ok(reply);
@@ -295,7 +619,7 @@ impl TakePair {
         // Both keys are open and of the right type before either is written.
         let mut key = Bucket::open(ctx, args, pair.key.key, pair.key.limit, Access::ReadWrite)?;
         let key_outcome = key.take(cost, now);
-        let reply = pair_reply(client_verdict, Some(key_outcome.verdict));
+        let reply = pair_reply(client_verdict, Some(key_outcome.verdict), waited);
         let remembered = id.map(|id| id.remember(ctx, &mut client.key, &reply, now / 1000));
         client.write(ctx, &client_outcome.state, now, remembered.as_ref());
         key.write(ctx, &key_outcome.state, now, None);
@@ -361,6 +685,9 @@ impl Command for Refund {
         }
         let seconds = bucket::seconds_from_micros(now);
         let outcome = bucket::refund(refund.limit, refund.amount, stored, seconds);
+        if wait::has_waiters(ctx, args.get(refund.key)) {
+            wait::given_back_to(ctx, args.get(refund.key), outcome.given);
+        }
         let reply = Reply::Integer(outcome.tokens_left);
         let remembered = id.map(|id| id.remember(ctx, &mut bucket.key, &reply, now / 1000));
         match &outcome.state {

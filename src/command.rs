@@ -30,6 +30,8 @@ pub enum Reply {
     Array(Row),
     /// Two arrays, the second null when absent (TAKE2's two buckets).
     Pair(Row, Option<Row>),
+    /// Nothing now: the client waits (`WAIT ms`), answered later by wait.rs.
+    Held,
 }
 
 /// Up to six integers or nulls, kept on the stack.
@@ -182,6 +184,9 @@ pub const ID_ARG: Arg = Arg::block(
 )
 .optional();
 
+/// `[WAIT ms]`, on every command that may wait for its turn.
+pub const WAIT_ARG: Arg = Arg::integer(c"ms").token(c"WAIT").optional();
+
 /// `args` as the server's argument table: NULL-name terminated arrays, nested ones kept
 /// alive in `arena` until the server has copied them.
 fn raw_args(
@@ -318,7 +323,8 @@ impl Ctx {
         }
     }
 
-    fn reply(&self, reply: Reply) {
+    /// Writes a reply: a command's, or a waiter's answered later.
+    pub fn reply(&self, reply: Reply) {
         match reply {
             // SAFETY: a plain reply call on the live context.
             Reply::Integer(value) => unsafe {
@@ -337,6 +343,7 @@ impl Ctx {
                     },
                 }
             }
+            Reply::Held => {}
         }
     }
 
@@ -381,7 +388,7 @@ pub extern "C" fn invoke<C: Command>(
         return raw::REDISMODULE_OK as c_int;
     }
     C::COUNTERS.called();
-    let result = catch_unwind(AssertUnwindSafe(|| C::run(&ctx, &args)));
+    let result = guarded(|| C::run(&ctx, &args));
     if !matches!(result, Ok(Ok(_))) {
         C::COUNTERS.erred();
     }
@@ -401,6 +408,13 @@ pub extern "C" fn invoke<C: Command>(
         Err(_) => ctx.reply_error("ERR qag internal error; the command was aborted"),
     }
     raw::REDISMODULE_OK as c_int
+}
+
+/// Runs `f`, a panic caught: the one guard between the module's code and the server,
+/// for commands and for every callback the server makes (a panic must never unwind into
+/// it).
+pub fn guarded<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    catch_unwind(AssertUnwindSafe(f))
 }
 
 /// The most keys a counted layout declares.

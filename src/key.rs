@@ -433,6 +433,31 @@ impl<'ctx> Key<'ctx> {
 
     /// The highest score, None for an empty key.
     pub fn zset_max_score(&self) -> Option<f64> {
+        let inf = f64::INFINITY;
+        // SAFETY: reading the API table filled in at load.
+        self.zset_end_score(
+            unsafe { raw::RedisModule_ZsetLastInScoreRange },
+            -inf,
+            false,
+        )
+    }
+
+    /// The lowest score above `min`, None when there is none.
+    pub fn zset_min_score_above(&self, min: f64) -> Option<f64> {
+        // SAFETY: reading the API table filled in at load.
+        self.zset_end_score(unsafe { raw::RedisModule_ZsetFirstInScoreRange }, min, true)
+    }
+
+    /// The score at one end (`seek`: the first or the last in a range) of the scores
+    /// from `min` (excluded when `min_excluded`) up.
+    fn zset_end_score(
+        &self,
+        seek: Option<
+            unsafe extern "C" fn(*mut raw::RedisModuleKey, f64, f64, c_int, c_int) -> c_int,
+        >,
+        min: f64,
+        min_excluded: bool,
+    ) -> Option<f64> {
         if !self.exists {
             return None;
         }
@@ -440,7 +465,7 @@ impl<'ctx> Key<'ctx> {
         // SAFETY: as for zset_range.
         unsafe {
             let inf = f64::INFINITY;
-            if raw::RedisModule_ZsetLastInScoreRange.unwrap()(self.raw, -inf, inf, 0, 0)
+            if seek.unwrap()(self.raw, min, inf, c_int::from(min_excluded), 0)
                 == raw::REDISMODULE_OK as c_int
             {
                 let mut value = 0.0;

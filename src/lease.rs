@@ -1,16 +1,21 @@
 //! The lease family: QAG.LEASE, QAG.RENEW, QAG.RELEASE and QAG.LEASES. A key's running
 //! queries are a sorted set: members are lease ids, scores their expiry in Unix
 //! milliseconds, so a slot held by a crashed process frees itself when its lease runs out.
+//! With `WAIT ms`, a LEASE that finds every slot held waits for one, first come first
+//! served: a release, a lease running out or any change to the key gives the slots
+//! freed to the waiters (wait.rs holds them).
 
 use std::ffi::CStr;
 
+use qag_core::args::ArgList;
 use qag_core::lease::{self, Acquire};
 
-use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply, Row, WAIT_ARG};
 use crate::key::{Access, Key, OwnedString, ValueType};
 use crate::server::RawString;
 use crate::server::{CommandError, Ctx};
 use crate::stats::CallCounters;
+use crate::wait::{self, Held, Serve};
 
 /// A key's slots, opened for one call at one instant.
 struct Slots<'ctx> {
@@ -25,10 +30,45 @@ impl<'ctx> Slots<'ctx> {
         key: usize,
         access: Access,
     ) -> Result<Self, CommandError> {
+        Self::open_at(ctx, args.string(key), access, ctx.now_micros())
+    }
+
+    fn open_at(
+        ctx: &'ctx Ctx,
+        name: RawString,
+        access: Access,
+        now_micros: i64,
+    ) -> Result<Self, CommandError> {
         Ok(Slots {
-            key: Key::open(ctx, args.string(key), access, ValueType::SortedSet)?,
-            now_millis: ctx.now_micros().div_euclid(1000),
+            key: Key::open(ctx, name, access, ValueType::SortedSet)?,
+            now_millis: now_micros.div_euclid(1000),
         })
+    }
+
+    /// The live leases.
+    fn live(&self) -> usize {
+        self.key.len().saturating_sub(self.expired().len())
+    }
+
+    /// Takes a slot for `id` (or renews its lease) unless every slot is held: the live
+    /// leases after it, or None.
+    fn acquire(&mut self, id: RawString, max: i64, ttl_millis: i64) -> Option<usize> {
+        let expired = self.expired();
+        let live = self.key.len().saturating_sub(expired.len());
+        let decision = lease::acquire(max, live as u64, self.holds_live_lease(id));
+        if decision == Acquire::Refuse {
+            return None;
+        }
+        self.key.zset_remove(&raw_strings(&expired));
+        self.put(id, ttl_millis);
+        self.expire_with_latest_lease();
+        Some(live + usize::from(decision == Acquire::Take))
+    }
+
+    /// When the next live lease runs out, Unix microseconds.
+    fn next_expiry(&self) -> Option<i64> {
+        let score = self.key.zset_min_score_above(self.now_millis as f64)?;
+        lease::is_live(score, self.now_millis).then(|| (score.ceil() as i64).saturating_mul(1000))
     }
 
     /// The leases that hold no slot: those whose expiry has passed, and those expiring
@@ -82,13 +122,13 @@ static RENEW: CallCounters = CallCounters::new();
 static RELEASE: CallCounters = CallCounters::new();
 static LEASES: CallCounters = CallCounters::new();
 
-/// QAG.LEASE key max ttl_ms id
+/// QAG.LEASE key max ttl_ms id [WAIT ms]
 pub struct Lease;
 
 impl Command for Lease {
     const NAME: &'static CStr = c"qag.lease";
     const FLAGS: &'static CStr = c"write deny-oom fast";
-    const ARITY: i32 = 5;
+    const ARITY: i32 = -5;
     const KEYS: KeyLayout = KeyLayout::Single;
     const WRITES: bool = true;
     const SUMMARY: &'static CStr =
@@ -99,27 +139,108 @@ impl Command for Lease {
         Arg::integer(c"max"),
         Arg::integer(c"ttl_ms"),
         Arg::string(c"id"),
+        WAIT_ARG,
     ];
     const COUNTERS: &'static CallCounters = &LEASE;
     const OUTCOMES: &'static [&'static str] = &["acquired", "refused"];
 
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let call = lease::parse_lease(args)?;
-        let mut slots = Slots::open(ctx, args, call.key, Access::ReadWrite)?;
-        let id = args.string(call.id);
-        let expired = slots.expired();
-        let live = slots.key.len().saturating_sub(expired.len());
-        let decision = lease::acquire(call.max, live as u64, slots.holds_live_lease(id));
-        if decision == Acquire::Refuse {
-            LEASE.allowed_or_refused(false);
-            return Ok(Reply::Array([0, live as i64, 1].into()));
+        let now = ctx.now_micros();
+        let name = args.get(call.key);
+        // Waiters first: a newcomer never takes a slot ahead of them.
+        if wait::has_waiters(ctx, name) {
+            wait::serve_slots(ctx, name, now);
         }
-        slots.key.zset_remove(&raw_strings(&expired));
-        slots.put(id, call.ttl_millis);
-        slots.expire_with_latest_lease();
-        let live_after = live + usize::from(decision == Acquire::Take);
-        LEASE.allowed_or_refused(true);
-        Ok(Reply::Array([1, live_after as i64, 0].into()))
+        let mut slots = Slots::open_at(ctx, args.string(call.key), Access::ReadWrite, now)?;
+        let id = args.string(call.id);
+        let reply = |acquired: bool, live: usize, retry: i64| match call.wait {
+            Some(_) => Reply::Array(Row::from([i64::from(acquired), live as i64, retry, 0])),
+            None => Reply::Array([i64::from(acquired), live as i64, retry].into()),
+        };
+        if let Some(live) = slots.acquire(id, call.max, call.ttl_millis) {
+            LEASE.allowed_or_refused(true);
+            return Ok(reply(true, live, 0));
+        }
+        LEASE.allowed_or_refused(false);
+        let live = slots.live();
+        let next_expiry = slots.next_expiry();
+        drop(slots);
+        match call.wait {
+            Some(ms) if ms > 0 && wait::room(ctx).is_ok() => {
+                let held = HeldLease {
+                    keys: vec![name.to_vec()],
+                    id: args.get(call.id).to_vec(),
+                    max: call.max,
+                    ttl_millis: call.ttl_millis,
+                    granted: false,
+                };
+                let reply = wait::hold(ctx, Box::new(held), now + ms * 1000, false);
+                if let Some(at) = next_expiry {
+                    wait::look_again(ctx, name, at - now);
+                }
+                Ok(reply)
+            }
+            _ => Ok(reply(false, live, 1)),
+        }
+    }
+}
+
+/// A LEASE waiting for a slot, given one by the events that free them.
+struct HeldLease {
+    keys: Vec<Vec<u8>>,
+    id: Vec<u8>,
+    max: i64,
+    ttl_millis: i64,
+    /// Whether it took a slot (given back if its answer never reaches its client).
+    granted: bool,
+}
+
+impl Held for HeldLease {
+    fn keys(&self) -> &[Vec<u8>] {
+        &self.keys
+    }
+
+    fn serve(&mut self, ctx: &Ctx, now_micros: i64, waited_ms: i64) -> Serve {
+        let name = OwnedString::new(ctx, &self.keys[0]);
+        let Ok(mut slots) = Slots::open_at(ctx, name.raw, Access::ReadWrite, now_micros) else {
+            // The key holds something else now: no slot will come.
+            return Serve::Later(None);
+        };
+        let id = OwnedString::new(ctx, &self.id);
+        match slots.acquire(id.raw, self.max, self.ttl_millis) {
+            Some(live) => {
+                self.granted = true;
+                Serve::Now(Reply::Array(Row::from([1, live as i64, 0, waited_ms])))
+            }
+            None => Serve::Later(slots.next_expiry()),
+        }
+    }
+
+    fn refusal(&self, ctx: &Ctx, now_micros: i64, waited_ms: i64) -> Reply {
+        let name = OwnedString::new(ctx, &self.keys[0]);
+        let live = Slots::open_at(ctx, name.raw, Access::Read, now_micros).map_or(0, |s| s.live());
+        Reply::Array(Row::from([0, live as i64, 1, waited_ms]))
+    }
+
+    fn give_back(&mut self, ctx: &Ctx, now_micros: i64) -> Vec<(usize, f64)> {
+        if self.granted {
+            let name = OwnedString::new(ctx, &self.keys[0]);
+            if let Ok(mut slots) = Slots::open_at(ctx, name.raw, Access::ReadWrite, now_micros) {
+                let id = OwnedString::new(ctx, &self.id);
+                if slots.key.zset_score(id.raw).is_some() {
+                    slots.key.zset_remove(&[id.raw]);
+                    slots.expire_with_latest_lease();
+                }
+            }
+            // A slot freed: the next waiter may take it.
+            wait::look_again(ctx, &self.keys[0], 0);
+        }
+        Vec::new()
+    }
+
+    fn sooner(&mut self, _key: usize, _amount: f64) -> Option<i64> {
+        None
     }
 }
 
@@ -188,6 +309,11 @@ impl Command for Release {
         }
         slots.key.zset_remove(&members);
         slots.expire_with_latest_lease();
+        drop(slots);
+        let name = args.get(call.key);
+        if wait::has_waiters(ctx, name) {
+            wait::serve_slots(ctx, name, ctx.now_micros());
+        }
         Ok(Reply::Integer(i64::from(live)))
     }
 }
@@ -209,7 +335,6 @@ impl Command for Leases {
     fn run(ctx: &Ctx, args: &RawArgs) -> Result<Reply, CommandError> {
         let key = lease::parse_leases(args)?;
         let slots = Slots::open(ctx, args, key, Access::Read)?;
-        let live = slots.key.len().saturating_sub(slots.expired().len());
-        Ok(Reply::Integer(live as i64))
+        Ok(Reply::Integer(slots.live() as i64))
     }
 }

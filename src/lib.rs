@@ -11,6 +11,7 @@ mod server;
 mod stats;
 mod testing;
 mod throttle;
+mod wait;
 mod window;
 
 use redis_module::{redis_module, Context, RedisString, Status};
@@ -135,6 +136,29 @@ fn missing_api() -> Option<&'static str> {
             ("ZsetRangeStop", { RedisModule_ZsetRangeStop }.is_some()),
             ("ZsetRem", { RedisModule_ZsetRem }.is_some()),
             ("ZsetScore", { RedisModule_ZsetScore }.is_some()),
+            ("BlockClient", { RedisModule_BlockClient }.is_some()),
+            ("UnblockClient", { RedisModule_UnblockClient }.is_some()),
+            (
+                "SetDisconnectCallback",
+                { RedisModule_SetDisconnectCallback }.is_some(),
+            ),
+            (
+                "GetBlockedClientHandle",
+                { RedisModule_GetBlockedClientHandle }.is_some(),
+            ),
+            (
+                "GetBlockedClientPrivateData",
+                { RedisModule_GetBlockedClientPrivateData }.is_some(),
+            ),
+            ("CreateTimer", { RedisModule_CreateTimer }.is_some()),
+            ("StopTimer", { RedisModule_StopTimer }.is_some()),
+            ("GetContextFlags", { RedisModule_GetContextFlags }.is_some()),
+            ("GetSelectedDb", { RedisModule_GetSelectedDb }.is_some()),
+            ("SelectDb", { RedisModule_SelectDb }.is_some()),
+            (
+                "SubscribeToKeyspaceEvents",
+                { RedisModule_SubscribeToKeyspaceEvents }.is_some(),
+            ),
         ]
     };
     present
@@ -170,6 +194,8 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     let (test_commands, cl_throttle) = (options.test_commands, options.cl_throttle);
     throttle::set_skew_seconds(options.throttle_skew_seconds);
     replay::init(options.id_seconds, options.id_max);
+    wait::set_max_waiters(options.max_waiters);
+    wait::init(ctx.ctx);
     stats::clear();
     let mut features = Features {
         qag_category: add_acl_category(ctx),
@@ -210,7 +236,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         false => "not supported by this server",
     };
     ctx.log_notice(&format!(
-        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, {}, THROTTLE-SKEW {} s, request ids kept {} s (at most {} a key), clock {}",
+        "qag {} (module version {MODULE_VERSION}) loaded: key specs and command docs {}, ACL categories {}, {}, {}, THROTTLE-SKEW {} s, request ids kept {} s (at most {} a key), at most {} waiters, clock {}",
         VERSION.to_string_lossy(),
         supported(features.command_info, "registered"),
         supported(features.acl_categories, "set"),
@@ -225,6 +251,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         options.throttle_skew_seconds,
         options.id_seconds,
         options.id_max,
+        options.max_waiters,
         server::clock_name().to_string_lossy(),
     ));
     Status::Ok

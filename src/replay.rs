@@ -124,8 +124,26 @@ impl RequestId {
     /// with the call's own. Looks through the key's ids first, and removes those
     /// forgotten, about once in as many calls as the key has fields, and at its cap.
     pub fn remember(self, ctx: &Ctx, key: &mut Key, reply: &Reply, now_millis: i64) -> Remembered {
+        self.remember_until(ctx, key, reply, now_millis, 0)
+    }
+
+    /// As [`RequestId::remember`], the reply kept until `until_millis` at least (a
+    /// waiter's time: its replay must find what its first call was charged).
+    pub fn remember_until(
+        self,
+        ctx: &Ctx,
+        key: &mut Key,
+        reply: &Reply,
+        now_millis: i64,
+        until_millis: i64,
+    ) -> Remembered {
         // Only a window's ADMIT reserves: a key of another family holds no reservation.
-        self.remember_holding(ctx, key, reply, None, now_millis, i64::MIN)
+        self.remember_for(ctx, key, reply, None, now_millis, i64::MIN, until_millis)
+    }
+
+    /// The id's field name, for a waiter that forgets it if it gives back its charge.
+    pub fn field_bytes(&self) -> Vec<u8> {
+        self.field.bytes().to_vec()
     }
 
     /// Remembers `reply` and the reservation `hold` the call made, until its KEEP (or
@@ -141,6 +159,21 @@ impl RequestId {
         now_millis: i64,
         trusted_until: i64,
     ) -> Remembered {
+        let until = hold.map_or(0, |h| h.until);
+        self.remember_for(ctx, key, reply, hold, now_millis, trusted_until, until)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn remember_for(
+        self,
+        ctx: &Ctx,
+        key: &mut Key,
+        reply: &Reply,
+        hold: Option<Reserved>,
+        now_millis: i64,
+        trusted_until: i64,
+        until_millis: i64,
+    ) -> Remembered {
         let most = ID_MAX.load(Ordering::Relaxed) as usize;
         if replay::looks_through(key.len(), self.pick, most) {
             let ids = key
@@ -154,7 +187,7 @@ impl RequestId {
             let forget = replay::prune(ids, now_millis, most);
             key.delete_fields(&forget.iter().map(|name| name.raw).collect::<Vec<_>>());
         }
-        let forget_at = (now_millis + self.keep).max(hold.map_or(0, |h| h.until));
+        let forget_at = (now_millis + self.keep).max(until_millis);
         let record = OwnedString::from_text(ctx, |text| {
             replay::encode(text, forget_at, answer_of(reply), hold)
         });
@@ -249,6 +282,8 @@ fn answer_of(reply: &Reply) -> AnswerRef<'_> {
         Reply::Pair(first, second) => {
             AnswerRef::Pair(first.values(), second.as_ref().map(Row::values))
         }
+        // A waiter remembers the answer it will get, never this.
+        Reply::Held => AnswerRef::Row(&[]),
     }
 }
 

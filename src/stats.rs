@@ -80,6 +80,104 @@ struct Shown {
 
 static REGISTERED: Mutex<Vec<Shown>> = Mutex::new(Vec::new());
 
+/// What calls with `WAIT ms` did, since the module loaded (INFO's `wait_*` fields and
+/// `waiters`). Main thread only, as every counter here.
+pub struct WaitCounters {
+    started: AtomicU64,
+    served: AtomicU64,
+    refused: AtomicU64,
+    timed_out: AtomicU64,
+    given_back: AtomicU64,
+    full: AtomicU64,
+    waited_ms: AtomicU64,
+    waiting: AtomicU64,
+}
+
+pub static WAITS: WaitCounters = WaitCounters {
+    started: AtomicU64::new(0),
+    served: AtomicU64::new(0),
+    refused: AtomicU64::new(0),
+    timed_out: AtomicU64::new(0),
+    given_back: AtomicU64::new(0),
+    full: AtomicU64::new(0),
+    waited_ms: AtomicU64::new(0),
+    waiting: AtomicU64::new(0),
+};
+
+impl WaitCounters {
+    /// A call began to wait.
+    pub fn started(&self) {
+        self.started.fetch_add(1, Ordering::Relaxed);
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A wait ended: served after `waited_ms`, refused when its time ran out, or given
+    /// back (its client gone or unblocked).
+    pub fn served(&self, waited_ms: i64) {
+        self.served.fetch_add(1, Ordering::Relaxed);
+        self.waited_ms
+            .fetch_add(waited_ms.max(0) as u64, Ordering::Relaxed);
+        self.ended();
+    }
+
+    pub fn timed_out(&self) {
+        self.timed_out.fetch_add(1, Ordering::Relaxed);
+        self.ended();
+    }
+
+    /// What a waiter was given or charged went back; `waiting`: it was still waiting
+    /// (else it had been served, its answer never delivered).
+    pub fn given_back(&self, waiting: bool) {
+        self.given_back.fetch_add(1, Ordering::Relaxed);
+        if waiting {
+            self.ended();
+        }
+    }
+
+    fn ended(&self) {
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A call asked to wait longer than it may: refused at once.
+    pub fn refused(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A call could not wait: MAX-WAITERS were waiting.
+    pub fn full(&self) {
+        self.full.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn fields(&self) -> [(&'static CStr, u64); 8] {
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        [
+            (c"waiters", read(&self.waiting)),
+            (c"wait_started", read(&self.started)),
+            (c"wait_served", read(&self.served)),
+            (c"wait_refused", read(&self.refused)),
+            (c"wait_timed_out", read(&self.timed_out)),
+            (c"wait_given_back", read(&self.given_back)),
+            (c"wait_full", read(&self.full)),
+            (c"wait_ms", read(&self.waited_ms)),
+        ]
+    }
+
+    fn reset(&self) {
+        for counter in [
+            &self.started,
+            &self.served,
+            &self.refused,
+            &self.timed_out,
+            &self.given_back,
+            &self.full,
+            &self.waited_ms,
+            &self.waiting,
+        ] {
+            counter.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Calls of any command answered with the reply remembered under their request id.
 static REPLAYS: AtomicU64 = AtomicU64::new(0);
 
@@ -92,6 +190,7 @@ pub fn replayed() {
 pub fn clear() {
     lock().clear();
     REPLAYS.store(0, Ordering::Relaxed);
+    WAITS.reset();
 }
 
 /// Shows `counters`, from zero, under the command's name after `qag.` with dots as
@@ -138,6 +237,9 @@ pub extern "C" fn info(ctx: *mut raw::RedisModuleInfoCtx, _for_crash_report: c_i
             add(ctx, c"clock".as_ptr(), crate::server::clock_name().as_ptr());
             let add = raw::RedisModule_InfoAddFieldULongLong.unwrap();
             add(ctx, c"replays".as_ptr(), REPLAYS.load(Ordering::Relaxed));
+            for (name, value) in WAITS.fields() {
+                add(ctx, name.as_ptr(), value);
+            }
             for shown in lock().iter() {
                 let c = shown.counters;
                 add(ctx, shown.calls.as_ptr(), c.calls.load(Ordering::Relaxed));

@@ -178,6 +178,14 @@ fn info_counts_every_call_error_and_decision() {
         ("test_panic_calls", 1),
         ("test_panic_errors", 1),
         ("replays", 0),
+        ("waiters", 0),
+        ("wait_started", 0),
+        ("wait_served", 0),
+        ("wait_refused", 0),
+        ("wait_timed_out", 0),
+        ("wait_given_back", 0),
+        ("wait_full", 0),
+        ("wait_ms", 0),
     ]
     .into_iter()
     .collect();
@@ -347,9 +355,14 @@ fn command_docs_list_every_argument() {
     let quota = "key:key per:oneof:PER[day:pure-token:day month:pure-token:month] zone:string:TZ calls:integer:CALLS:optional rows:integer:ROWS:optional";
     let peek = "key:key count:integer period:double cost:integer:COST:optional";
     let id = "id:block:optional[request-id:string:ID seconds:integer:KEEP:optional]";
-    let take = format!("{peek} {id}");
+    let wait = "ms:integer:WAIT:optional";
+    let take = format!("{peek} {id} {wait}");
     let quota_add = format!("{quota} {id}");
-    let take2 = format!("ckey:key ccount:integer cperiod:double kkey:key kcount:integer kperiod:double cost:integer:COST:optional {id}");
+    let take2 = format!("ckey:key ccount:integer cperiod:double kkey:key kcount:integer kperiod:double cost:integer:COST:optional {id} {wait}");
+    let lease = format!("key:key max:integer ttl_ms:integer id:string {wait}");
+    let throttle = format!(
+        "key:key max_burst:integer count:integer period:integer quantity:integer:optional {wait}"
+    );
     let refund = format!("key:key count:integer period:double n:integer {id}");
     let admit = format!("numscopes:integer scope:block:multiple[key:key rpm:integer tpm:integer] seconds:integer:WINDOW:optional tokens:integer:RESERVE:optional {id} milliseconds:integer:HOLD:optional");
     let record = format!("numscopes:integer key:key:multiple tokens:integer seconds:integer:WINDOW:optional {id} PARTIAL:pure-token:PARTIAL:optional");
@@ -358,7 +371,7 @@ fn command_docs_list_every_argument() {
         ("qag.peek", peek),
         ("qag.refund", refund.as_str()),
         ("qag.take2", take2.as_str()),
-        ("qag.lease", "key:key max:integer ttl_ms:integer id:string"),
+        ("qag.lease", lease.as_str()),
         ("qag.renew", "key:key id:string ttl_ms:integer"),
         ("qag.release", "key:key id:string"),
         ("qag.leases", "key:key"),
@@ -367,10 +380,7 @@ fn command_docs_list_every_argument() {
         ("qag.quota.seed", quota),
         ("qag.admit", admit.as_str()),
         ("qag.record", record.as_str()),
-        (
-            "qag.throttle",
-            "key:key max_burst:integer count:integer period:integer quantity:integer:optional",
-        ),
+        ("qag.throttle", throttle.as_str()),
     ] {
         let docs: Value = cmd("COMMAND")
             .arg("DOCS")

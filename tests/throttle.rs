@@ -576,11 +576,12 @@ fn the_skew_is_a_load_argument() {
             ..Default::default()
         })
     };
-    // No skew: a TAT ahead of the burst window at all reads as missing.
+    // No skew: a TAT ahead of the burst window and a longest wait (60 s, as waiters
+    // charge it) at all reads as missing.
     let none = skew("0");
     let mut con = none.client().get_connection().unwrap();
     let now = i128::from(server_micros(&mut con)) * 1000;
-    set_tat(&mut con, "near", now + 35 * NANOS);
+    set_tat(&mut con, "near", now + 95 * NANOS);
     assert_eq!(throttle(&mut con, "near", [4, 1, 1, 1]), [0, 5, 4, -1, 1]);
     set_tat(&mut con, "inside", now + 3 * NANOS);
     assert_eq!(throttle(&mut con, "inside", [4, 1, 1, 1])[..3], [0, 5, 1]);
@@ -610,7 +611,7 @@ fn the_skew_is_a_load_argument() {
         ),
         (
             &["THROTTLE-SKWE", "1"],
-            "syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n",
+            "syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds, ID-MAX n or MAX-WAITERS n",
         ),
     ] {
         let log = refused_load(args);
@@ -731,7 +732,12 @@ fn bad_input_and_stored_garbage_are_errors_that_change_nothing() {
         (vec!["1", "1", "-5"], "ERR period must be an integer from 1 to 9223372036854775807"),
         (vec!["1", "1", "9223372036854775808"], "ERR period must be an integer from 1 to 9223372036854775807"),
         (vec!["1", "1", "1", "-1"], "ERR quantity must be an integer from 0 to 9223372036854775807"),
-        (vec!["1", "1", "1", "1", "1"], "ERR wrong number of arguments for 'qag.throttle' command"),
+        (vec!["1", "1", "1", "1", "1"], "ERR syntax error: expected WAIT ms"),
+        (vec!["1", "1", "1", "1", "WAIT", "1", "WAIT", "1", "1"], "ERR wrong number of arguments for 'qag.throttle' command"),
+        (vec!["1", "1", "1", "WAIT"], "ERR WAIT needs a number of milliseconds"),
+        (vec!["1", "1", "1", "WAIT", "60001"], "ERR WAIT must be an integer from 0 to 60000"),
+        (vec!["1", "1", "1", "WAIT", "-1"], "ERR WAIT must be an integer from 0 to 60000"),
+        (vec!["1", "1", "1", "WAIT", "1", "WAIT", "1"], "ERR WAIT given more than once"),
         (vec!["1", "2000000000", "1"], "ERR count per period is faster than one per nanosecond; nothing was written"),
         (vec!["9223372036854775806", "1", "1"], "ERR the rate, burst or quantity overflows the nanosecond arithmetic; nothing was written"),
         (vec!["1", "1", "1", "9223372036854775807"], "ERR the rate, burst or quantity overflows the nanosecond arithmetic; nothing was written"),

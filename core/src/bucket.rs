@@ -5,6 +5,7 @@
 
 use crate::args::{set_once, ArgError, ArgList, Args};
 use crate::replay;
+use crate::wait::{self, MAX_WAIT_SECONDS};
 
 /// A bucket's limit: `count` tokens, refilled at `count` per `period` seconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,6 +48,21 @@ impl Limit {
     fn rate(&self) -> f64 {
         self.count / self.period
     }
+
+    /// Seconds from a call until the bucket it leaves with `tokens` is full again, as
+    /// its key's expiry counts them: a period (what the script's `EXPIRE` always gave),
+    /// and, for a bucket its waiters charged ahead (tokens below zero), the time to
+    /// refill what they owe too, at most [`MAX_WAIT_SECONDS`] more.
+    pub fn ttl_seconds(&self, tokens: f64) -> f64 {
+        self.period + lua_min(lua_max(0.0, -tokens) / self.rate(), MAX_WAIT_SECONDS)
+    }
+
+    /// The fewest tokens a bucket can hold: charged ahead by waiters whose tokens all
+    /// refill within the longest wait. A stored count below it came from no waiter (a
+    /// stray write) and reads as missing, that is full.
+    fn fewest_tokens(&self) -> f64 {
+        -(self.count + self.rate() * MAX_WAIT_SECONDS)
+    }
 }
 
 /// Takes `cost` tokens from a bucket whose hash held `stored` (None when a field is
@@ -88,7 +104,8 @@ pub fn take(limit: Limit, cost: i64, stored: Option<State>, now: f64) -> Take {
     };
     Take {
         verdict: Verdict {
-            tokens_left: tokens.floor() as i64,
+            // A bucket its waiters charged ahead holds fewer than none: none are left.
+            tokens_left: (tokens.floor() as i64).max(0),
             ..verdict
         },
         state: State {
@@ -99,11 +116,15 @@ pub fn take(limit: Limit, cost: i64, stored: Option<State>, now: f64) -> Take {
 }
 
 /// What a refund leaves: the state to write (None for a missing bucket, which reads as
-/// full, so nothing is written) and the whole tokens left, QAG.TAKE's second element.
+/// full, so nothing is written), the whole tokens left, QAG.TAKE's second element, and
+/// the tokens it added (after the refill, never above the count): by that much the
+/// bucket's waiters come sooner (`refill_micros`). A waiter that is not served (its
+/// client gone or unblocked) gives its cost back as a refund.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Refund {
     pub state: Option<State>,
     pub tokens_left: i64,
+    pub given: f64,
 }
 
 /// Gives `amount` tokens back to a bucket: refilled to `now` first, exactly as a take
@@ -114,27 +135,82 @@ pub fn refund(limit: Limit, amount: i64, stored: Option<State>, now: f64) -> Ref
         return Refund {
             state: None,
             tokens_left: limit.count as i64,
+            given: 0.0,
         };
     }
     let refilled = take(limit, 0, stored, now).state;
     let tokens = lua_min(limit.count, refilled.tokens + amount as f64);
     Refund {
         state: Some(State { tokens, ..refilled }),
-        tokens_left: tokens.floor() as i64,
+        tokens_left: (tokens.floor() as i64).max(0),
+        given: lua_max(0.0, tokens - refilled.tokens),
     }
 }
 
-/// The stored state the module takes from: `stored`, unless its `ts` is more than one
+/// What a take that may wait does (`WAIT ms`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Waiting {
+    /// Answered now, exactly as a take without WAIT: allowed, or refused (a cost that
+    /// never fits, or tokens that would not refill within the wait).
+    Now(Take),
+    /// Charged now, the bucket left `state` (below zero: the waiter owes its cost),
+    /// answered allowed `wait_micros` from now, when its tokens have refilled.
+    Later { state: State, wait_micros: i64 },
+}
+
+/// A take that would wait up to `wait_ms` for its tokens. Allowed now, or refused, as
+/// `take`; else, if its tokens refill within the wait, charged now and answered when
+/// they have: since every earlier waiter charged the bucket already, its tokens come
+/// after theirs, and waiters are served in the order they arrived. A call that does not
+/// wait never overtakes them either: it finds the bucket below zero until the last
+/// waiter's tokens have refilled. Nothing here depends on waiters but the stored count.
+pub fn take_waiting(
+    limit: Limit,
+    cost: i64,
+    stored: Option<State>,
+    now: f64,
+    wait_ms: i64,
+) -> Waiting {
+    let outcome = take(limit, cost, stored, now);
+    if outcome.verdict.allowed || outcome.verdict.retry_after < 0 {
+        return Waiting::Now(outcome);
+    }
+    let State { tokens, ts } = outcome.state;
+    // A stored time ahead of the clock refills nothing until the clock reaches it.
+    let wait = lua_max(0.0, ts - now) + (cost as f64 - tokens) / limit.rate();
+    let wait_micros = (wait * 1e6).ceil();
+    if wait_micros > wait_ms as f64 * 1000.0 {
+        return Waiting::Now(outcome);
+    }
+    Waiting::Later {
+        state: State {
+            tokens: tokens - cost as f64,
+            ts,
+        },
+        wait_micros: wait_micros as i64,
+    }
+}
+
+/// How long `tokens` take to refill, in microseconds rounded down: how much sooner a
+/// waiter's tokens exist once that many were given back ahead of it (never before they
+/// do).
+pub fn refill_micros(limit: Limit, tokens: f64) -> i64 {
+    (tokens / limit.rate() * 1e6).floor() as i64
+}
+
+/// The stored state the module takes from:/// The stored state the module takes from: `stored`, unless its `ts` is more than one
 /// period ahead of the clock. A bucket's own calls write the clock's time, or keep a
 /// later one, so a `ts` ahead comes from a clock that was ahead (a failover to a
 /// primary whose clock is behind) or from another writer. Up to a period ahead it is
 /// kept: the bucket refills nothing until the clock reaches it, so a clock stepped back
 /// mints no credit, and is locked for at most that period. Further ahead (a clock
 /// stepped far forward, a stray write) the bucket reads as missing, that is full, which
-/// is what a period's refill gives anyway. The script trusts any `ts` (and recovers
-/// once its key expires, a period after the last call).
+/// is what a period's refill gives anyway. So does a count of tokens below any that
+/// waiters can leave (`Limit::fewest_tokens`). The script trusts any `ts` and any count
+/// (and recovers once its key expires, at most a period and a longest wait after the
+/// last call).
 pub fn trusted(stored: Option<State>, limit: Limit, now: f64) -> Option<State> {
-    stored.filter(|state| state.ts <= now + limit.period)
+    stored.filter(|state| state.ts <= now + limit.period && state.tokens >= limit.fewest_tokens())
 }
 
 /// Lua 5.1's math.max: the first argument unless a later one compares greater, so a
@@ -165,16 +241,16 @@ pub fn seconds_from_micros(micros: i64) -> f64 {
 /// When a bucket is full again, in Unix milliseconds rounded up: a missing bucket
 /// reads as full, so its key may expire then. It refills from its stored time `ts`, so
 /// the count starts there when `ts` is ahead of the clock (a clock stepped back refills
-/// nothing until it reaches `ts`), else now: then `now + ceil(period)`, what the
-/// script's `EXPIRE key ceil(period)` sets.
-pub fn full_at_millis(now_micros: i64, ts: f64, period: f64) -> i64 {
+/// nothing until it reaches `ts`), else now: then `now + ceil(ttl)`, `ttl` being
+/// `Limit::ttl_seconds`, what the script's `EXPIRE` sets.
+pub fn full_at_millis(now_micros: i64, ts: f64, ttl: f64) -> i64 {
     let refill_from = if ts > seconds_from_micros(now_micros) {
         // Saturates for a time beyond the i64 range: such a bucket never refills.
         (ts * 1e6).ceil() as i64
     } else {
         now_micros
     };
-    let ttl = period.ceil() as i64;
+    let ttl = ttl.ceil() as i64;
     let full_micros = refill_from.saturating_add(ttl.saturating_mul(1_000_000));
     full_micros.div_euclid(1000) + i64::from(full_micros.rem_euclid(1000) != 0)
 }
@@ -185,14 +261,15 @@ pub fn expiry_slack_millis(period: f64) -> i64 {
     ((period.ceil() as i64) / 4).max(1).saturating_mul(1000)
 }
 
-/// The expiry of a bucket's key after a call, given the one it has (`current`, Unix
-/// milliseconds, -1 for none): kept while it is from the refill (`full_at_millis`) to
-/// a slack later (`expiry_slack_millis`), else moved to a slack after the refill.
-/// So a key's expiry moves, and replicates a `PEXPIREAT`, at most once a slack however
-/// often the bucket is called, and the key outlives its refill by at most a slack.
-pub fn expiry_after_call(current: i64, now_micros: i64, ts: f64, period: f64) -> i64 {
-    let full = full_at_millis(now_micros, ts, period);
-    let latest = full.saturating_add(expiry_slack_millis(period));
+/// The expiry of a bucket's key after a call that left `state`, given the one it has
+/// (`current`, Unix milliseconds, -1 for none): kept while it is from the refill
+/// (`full_at_millis`) to a slack later (`expiry_slack_millis`), else moved to a slack
+/// after the refill. So a key's expiry moves, and replicates a `PEXPIREAT`, at most
+/// once a slack however often the bucket is called, and the key outlives its refill by
+/// at most a slack.
+pub fn expiry_after_call(current: i64, now_micros: i64, state: &State, limit: Limit) -> i64 {
+    let full = full_at_millis(now_micros, state.ts, limit.ttl_seconds(state.tokens));
+    let latest = full.saturating_add(expiry_slack_millis(limit.period));
     match (full..=latest).contains(&current) {
         true => current,
         false => latest,
@@ -229,30 +306,42 @@ pub fn parse_limit<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<Limit,
     })
 }
 
-/// The options after a bucket's limits: `[COST n]` and, on the commands that count
-/// (`ids`), `[ID request-id]`, in any order, each once.
-fn parse_options<L: ArgList + ?Sized>(
-    args: &mut Args<'_, L>,
-    ids: bool,
-) -> Result<(i64, Option<replay::IdArg>), ArgError> {
-    if args.remaining() == 0 {
-        return Ok((1, None));
-    }
-    let (options, expected): (&[&str], _) = match ids {
-        true => (&["COST", "ID"], "COST n or ID request-id"),
-        false => (&["COST"], "COST n"),
-    };
-    let (mut cost, mut id) = (None, None);
-    while let Some(option) = args.option(options, expected)? {
-        match option {
-            0 => set_once(&mut cost, args.integer("cost", 1, i64::MAX)?, "COST")?,
-            _ => set_once(&mut id, replay::parse_id(args)?, "ID")?,
-        }
-    }
-    Ok((cost.unwrap_or(1), id))
+/// The options after a bucket's limits.
+struct Options {
+    cost: i64,
+    id: Option<replay::IdArg>,
+    wait: Option<i64>,
 }
 
-/// QAG.TAKE and QAG.PEEK: `key count period [COST n]`, and TAKE's `[ID request-id]`.
+/// The options after a bucket's limits: `[COST n]` and, on the commands that count
+/// (`counts`), `[ID request-id] [WAIT ms]`, in any order, each once.
+fn parse_options<L: ArgList + ?Sized>(
+    args: &mut Args<'_, L>,
+    counts: bool,
+) -> Result<Options, ArgError> {
+    let (mut cost, mut id, mut wait) = (None, None, None);
+    if args.remaining() > 0 {
+        let (options, expected): (&[&str], _) = match counts {
+            true => (&["COST", "ID", "WAIT"], "COST n, ID request-id or WAIT ms"),
+            false => (&["COST"], "COST n"),
+        };
+        while let Some(option) = args.option(options, expected)? {
+            match option {
+                0 => set_once(&mut cost, args.integer("cost", 1, i64::MAX)?, "COST")?,
+                1 => set_once(&mut id, replay::parse_id(args)?, "ID")?,
+                _ => wait::parse_wait(args, &mut wait)?,
+            }
+        }
+    }
+    Ok(Options {
+        cost: cost.unwrap_or(1),
+        id,
+        wait,
+    })
+}
+
+/// QAG.TAKE and QAG.PEEK: `key count period [COST n]`, and TAKE's `[ID request-id]
+/// [WAIT ms]`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TakeArgs {
     pub key: usize,
@@ -260,20 +349,24 @@ pub struct TakeArgs {
     pub cost: i64,
     /// The argument holding the request id, when given.
     pub id: Option<replay::IdArg>,
+    /// How long the caller would wait for its tokens, in milliseconds, when given.
+    pub wait: Option<i64>,
 }
 
-/// QAG.TAKE's arguments (`ids`), or QAG.PEEK's, which counts nothing and takes no id.
-pub fn parse_take<L: ArgList + ?Sized>(list: &L, ids: bool) -> Result<TakeArgs, ArgError> {
+/// QAG.TAKE's arguments (`counts`), or QAG.PEEK's, which counts nothing and takes no
+/// id and no wait.
+pub fn parse_take<L: ArgList + ?Sized>(list: &L, counts: bool) -> Result<TakeArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(3, 9)?;
+    args.expect_count(3, 11)?;
     let key = args.key()?;
     let limit = parse_limit(&mut args)?;
-    let (cost, id) = parse_options(&mut args, ids)?;
+    let Options { cost, id, wait } = parse_options(&mut args, counts)?;
     Ok(TakeArgs {
         key,
         limit,
         cost,
         id,
+        wait,
     })
 }
 
@@ -286,24 +379,26 @@ pub struct TakePairArgs {
 
 pub fn parse_take_pair<L: ArgList + ?Sized>(list: &L) -> Result<TakePairArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(6, 12)?;
+    args.expect_count(6, 14)?;
     let client_key = args.key()?;
     let client_limit = parse_limit(&mut args)?;
     let key_key = args.key()?;
     let key_limit = parse_limit(&mut args)?;
-    let (cost, id) = parse_options(&mut args, true)?;
+    let Options { cost, id, wait } = parse_options(&mut args, true)?;
     Ok(TakePairArgs {
         client: TakeArgs {
             key: client_key,
             limit: client_limit,
             cost,
             id,
+            wait,
         },
         key: TakeArgs {
             key: key_key,
             limit: key_limit,
             cost,
             id,
+            wait,
         },
     })
 }
@@ -412,7 +507,7 @@ mod tests {
             ),
             (
                 "TAKE k 60 60 PRICE 2",
-                "ERR syntax error: expected COST n or ID request-id",
+                "ERR syntax error: expected COST n, ID request-id or WAIT ms",
             ),
             (
                 "TAKE k 60 60 COST 1 COST 2",
@@ -466,11 +561,11 @@ mod tests {
             ("TAKE k 60 60 ID x KEEP", "ERR wrong number of arguments"),
             (
                 "TAKE k 60 60 KEEP 5",
-                "ERR syntax error: expected COST n or ID request-id",
+                "ERR syntax error: expected COST n, ID request-id or WAIT ms",
             ),
             (
                 "TAKE k 60 60 ID x KEEP 5 KEEP 5",
-                "ERR syntax error: expected COST n or ID request-id",
+                "ERR syntax error: expected COST n, ID request-id or WAIT ms",
             ),
         ] {
             assert_eq!(
@@ -534,12 +629,12 @@ mod tests {
                 "ERR COST given more than once",
             ),
             (
-                "TAKE2 c 10 1 k 60 60 COST 1 ID a KEEP 1 COST 2",
+                "TAKE2 c 10 1 k 60 60 COST 1 ID a KEEP 1 WAIT 5 COST 2",
                 "ERR wrong number of arguments",
             ),
             (
                 "TAKE2 c 10 1 k 60 60 X 1",
-                "ERR syntax error: expected COST n or ID request-id",
+                "ERR syntax error: expected COST n, ID request-id or WAIT ms",
             ),
             (
                 "TAKE2 c 10 1 k 0 60",
@@ -737,7 +832,11 @@ mod tests {
     fn the_expiry_moves_only_out_of_its_slack() {
         let after = |current: i64, now_s: i64| {
             let now = now_s * 1_000_000;
-            expiry_after_call(current, now, seconds_from_micros(now), 60.0)
+            let state = State {
+                tokens: 0.0,
+                ts: seconds_from_micros(now),
+            };
+            expiry_after_call(current, now, &state, limit(60.0, 60.0))
         };
         // A new key: a slack after its refill.
         assert_eq!(after(-1, 1_000), 1_075_000);
@@ -756,13 +855,24 @@ mod tests {
                                  // Stored 30 s ahead: full 10 s after that, not 10 s after now.
         assert_eq!(full_at_millis(now, 1_030.0, 10.0), 1_040_000);
         assert_eq!(full_at_millis(now, 1_030.000_000_5, 10.0), 1_040_001);
-        assert_eq!(expiry_after_call(-1, now, 1_030.0, 10.0), 1_042_000);
+        let ahead = State {
+            tokens: 1.0,
+            ts: 1_030.0,
+        };
+        assert_eq!(
+            expiry_after_call(-1, now, &ahead, limit(5.0, 10.0)),
+            1_042_000
+        );
         // A stored time behind the clock changes nothing.
         assert_eq!(full_at_millis(now, 900.0, 10.0), 1_010_000);
         // A time no clock reaches: the key never expires, nothing overflows.
         assert_eq!(full_at_millis(now, 1e300, 10.0), i64::MAX / 1000 + 1);
+        let never = State {
+            tokens: 1.0,
+            ts: 1e300,
+        };
         assert_eq!(
-            expiry_after_call(-1, now, 1e300, 1e10),
+            expiry_after_call(-1, now, &never, limit(5.0, 1e10)),
             i64::MAX / 1000 + 1 + 2_500_000_000_000
         );
     }
@@ -786,7 +896,8 @@ mod tests {
             period in 0.000001f64..1e10,
             current in -1i64..5_000_000_000_000_000,
         ) {
-            let at = expiry_after_call(current, now, seconds_from_micros(now), period);
+            let state = State { tokens: 0.5, ts: seconds_from_micros(now) };
+            let at = expiry_after_call(current, now, &state, limit(3.0, period));
             let full = (now + period.ceil() as i64 * 1_000_000 + 999) / 1000;
             let slack = ((period.ceil() as i64) / 4).max(1) * 1000;
             prop_assert!(at >= full, "{at} before {full}");
@@ -884,6 +995,201 @@ mod tests {
     }
 
     #[test]
+    fn take_and_take2_take_wait_but_peek_does_not() {
+        let t = parse(|l| parse_take(l, true), "TAKE k 10 1 WAIT 250 COST 2").unwrap();
+        assert_eq!((t.cost, t.wait), (2, Some(250)));
+        let t = parse(
+            |l| parse_take(l, true),
+            "TAKE k 10 1 ID r KEEP 5 COST 2 WAIT 0",
+        )
+        .unwrap();
+        assert_eq!(t.wait, Some(0));
+        assert_eq!(
+            parse(|l| parse_take(l, true), "TAKE k 10 1").unwrap().wait,
+            None
+        );
+        let p = parse(|l| parse_take_pair(l), "TAKE2 c 10 1 k 60 60 WAIT 60000").unwrap();
+        assert_eq!((p.client.wait, p.key.wait), (Some(60_000), Some(60_000)));
+        for (words, error) in [
+            (
+                "TAKE k 10 1 WAIT",
+                "ERR WAIT needs a number of milliseconds",
+            ),
+            (
+                "TAKE k 10 1 WAIT -1",
+                "ERR WAIT must be an integer from 0 to 60000",
+            ),
+            (
+                "TAKE k 10 1 WAIT 1.5",
+                "ERR WAIT must be an integer from 0 to 60000",
+            ),
+            (
+                "TAKE k 10 1 WAIT 60001",
+                "ERR WAIT must be an integer from 0 to 60000",
+            ),
+            ("TAKE k 10 1 WAIT 5 WAIT 5", "ERR WAIT given more than once"),
+        ] {
+            assert_eq!(
+                parse(|l| parse_take(l, true), words).err().as_deref(),
+                Some(error),
+                "{words}"
+            );
+        }
+        assert_eq!(
+            parse(|l| parse_take(l, false), "PEEK k 10 1 WAIT 5")
+                .err()
+                .as_deref(),
+            Some("ERR syntax error: expected COST n")
+        );
+    }
+
+    #[test]
+    fn waiters_are_charged_at_arrival_and_served_in_order() {
+        let ten_a_second = limit(10.0, 1.0);
+        let empty = Some(State {
+            tokens: 0.0,
+            ts: NOW,
+        });
+        // Fits now: a plain take.
+        let full = take_waiting(ten_a_second, 1, None, NOW, 500);
+        assert_eq!(full, Waiting::Now(take(ten_a_second, 1, None, NOW)));
+        // Empty: the first waiter's token refills in 0.1 s, the next one's 0.1 s later.
+        let Waiting::Later { state, wait_micros } = take_waiting(ten_a_second, 1, empty, NOW, 500)
+        else {
+            panic!("waits");
+        };
+        assert_eq!((state.tokens, state.ts, wait_micros), (-1.0, NOW, 100_000));
+        let Waiting::Later { state, wait_micros } =
+            take_waiting(ten_a_second, 1, Some(state), NOW, 500)
+        else {
+            panic!("waits");
+        };
+        assert_eq!((state.tokens, wait_micros), (-2.0, 200_000));
+        // A later caller that does not wait is refused until every waiter's token is
+        // there, and told when its own will be.
+        let plain = take(ten_a_second, 1, Some(state), NOW + 0.15);
+        assert!(!plain.verdict.allowed);
+        assert_eq!(plain.verdict.as_reply(), [0, 0, 1]);
+        // A wait that does not fit: refused at once, charging nothing, as without WAIT.
+        let short = take_waiting(ten_a_second, 1, Some(state), NOW, 250);
+        assert_eq!(short, Waiting::Now(take(ten_a_second, 1, Some(state), NOW)));
+        // A cost above the count never waits.
+        let never = take_waiting(ten_a_second, 11, empty, NOW, 60_000);
+        assert_eq!(never, Waiting::Now(take(ten_a_second, 11, empty, NOW)));
+        // A stored time ahead: the refill starts there.
+        let ahead = Some(State {
+            tokens: 0.0,
+            ts: NOW + 0.5,
+        });
+        let Waiting::Later { wait_micros, .. } = take_waiting(ten_a_second, 1, ahead, NOW, 1000)
+        else {
+            panic!("waits");
+        };
+        assert_eq!(wait_micros, 600_000);
+    }
+
+    #[test]
+    fn a_waiter_that_leaves_gives_its_cost_back_and_later_ones_come_sooner() {
+        let ten_a_second = limit(10.0, 1.0);
+        let owed = Some(State {
+            tokens: -3.0,
+            ts: NOW,
+        });
+        let back = refund(ten_a_second, 2, owed, NOW + 0.125);
+        // Refilled by 1.25 to -1.75, then two given back: later waiters 0.2 s sooner.
+        assert_eq!(
+            (back.state.map(|s| s.tokens), back.given),
+            (Some(0.25), 2.0)
+        );
+        assert_eq!(refill_micros(ten_a_second, back.given), 200_000);
+        // Never above the count: what the cap kept is all that comes sooner.
+        let back = refund(
+            ten_a_second,
+            5,
+            Some(State {
+                tokens: 8.0,
+                ts: NOW,
+            }),
+            NOW,
+        );
+        assert_eq!(
+            (back.state.map(|s| s.tokens), back.given),
+            (Some(10.0), 2.0)
+        );
+        // A missing bucket is full: nothing to write, nobody sooner.
+        assert_eq!(refund(ten_a_second, 5, None, NOW).given, 0.0);
+    }
+
+    #[test]
+    fn a_bucket_charged_ahead_lives_until_full_and_answers_none_left() {
+        let l = limit(10.0, 1.0);
+        assert_eq!(l.ttl_seconds(4.0), 1.0);
+        assert_eq!(l.ttl_seconds(-5.0), 1.5);
+        assert_eq!(l.ttl_seconds(-1e12), 61.0, "at most a longest wait more");
+        let owed = State {
+            tokens: -5.0,
+            ts: 1_000.0,
+        };
+        assert_eq!(
+            full_at_millis(1_000_000_000, owed.ts, l.ttl_seconds(owed.tokens)),
+            1_002_000
+        );
+        assert_eq!(
+            take(l, 1, Some(owed), 1_000.0).verdict.as_reply(),
+            [0, 0, 1]
+        );
+        assert_eq!(refund(l, 2, Some(owed), 1_000.0).tokens_left, 0);
+        // Fewer tokens than any waiter can owe came from no waiter: read as full.
+        let deepest = -(10.0 + 10.0 * 60.0);
+        let ok = State {
+            tokens: deepest,
+            ts: NOW,
+        };
+        assert_eq!(trusted(Some(ok), l, NOW), Some(ok));
+        let stray = State {
+            tokens: deepest - 1.0,
+            ts: NOW,
+        };
+        assert_eq!(trusted(Some(stray), l, NOW), None);
+    }
+
+    proptest! {
+        #[test]
+        fn waits_never_grant_more_than_the_refill_and_keep_their_order(
+            count in 1u32..50,
+            period in 0.01f64..10.0,
+            costs in proptest::collection::vec(1i64..5, 1..40),
+            wait_ms in 0i64..60_000,
+        ) {
+            let l = limit(f64::from(count), period);
+            let mut stored = None;
+            let mut last_ready = 0i64;
+            let mut granted = 0i64;
+            for cost in costs {
+                match take_waiting(l, cost, stored, NOW, wait_ms) {
+                    Waiting::Now(t) => {
+                        stored = Some(t.state);
+                        if t.verdict.allowed {
+                            granted += cost;
+                            prop_assert!(last_ready == 0, "nobody overtakes a waiter");
+                        }
+                    }
+                    Waiting::Later { state, wait_micros } => {
+                        prop_assert!(wait_micros <= wait_ms * 1000);
+                        prop_assert!(wait_micros >= last_ready, "served in arrival order");
+                        last_ready = wait_micros;
+                        stored = Some(state);
+                        granted += cost;
+                        // By its time, no more than the count and the refill were granted.
+                        let allowed = f64::from(count) + wait_micros as f64 / 1e6 * l.rate();
+                        prop_assert!(granted as f64 <= allowed + 1e-6);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn refund_arguments() {
         let r = parse(|l| parse_refund(l), "REFUND k 60 60 2").unwrap();
         assert_eq!((r.key, r.limit, r.amount), (1, limit(60.0, 60.0), 2));
@@ -951,7 +1257,8 @@ mod tests {
             refund(five, 2, None, NOW),
             Refund {
                 state: None,
-                tokens_left: 5
+                tokens_left: 5,
+                given: 0.0,
             }
         );
         // A stored time ahead of the clock stays: no credit for a clock stepped back.

@@ -3,6 +3,7 @@
 //! a free slot, whoever held it.
 
 use crate::args::{ArgError, ArgList, Args};
+use crate::wait;
 
 pub const MAX_SLOTS: i64 = 1_000_000;
 /// The longest lease: seven days.
@@ -69,23 +70,33 @@ fn ttl<L: ArgList + ?Sized>(args: &mut Args<'_, L>) -> Result<i64, ArgError> {
     args.integer("ttl_ms", 1, MAX_TTL_MILLIS)
 }
 
-/// QAG.LEASE key max ttl_ms id
+/// QAG.LEASE key max ttl_ms id [WAIT ms]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseArgs {
     pub key: usize,
     pub max: i64,
     pub ttl_millis: i64,
     pub id: usize,
+    /// How long the caller would wait for a slot, in milliseconds, when given.
+    pub wait: Option<i64>,
 }
 
 pub fn parse_lease<L: ArgList + ?Sized>(list: &L) -> Result<LeaseArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(4, 4)?;
+    // Room for WAIT twice, so that is refused as such.
+    args.expect_count(4, 8)?;
+    let (key, max) = (args.key()?, args.integer("max", 1, MAX_SLOTS)?);
+    let (ttl_millis, id) = (ttl(&mut args)?, lease_id(&mut args)?);
+    let mut wait = None;
+    while args.option(&["WAIT"], "WAIT ms")?.is_some() {
+        wait::parse_wait(&mut args, &mut wait)?;
+    }
     Ok(LeaseArgs {
-        key: args.key()?,
-        max: args.integer("max", 1, MAX_SLOTS)?,
-        ttl_millis: ttl(&mut args)?,
-        id: lease_id(&mut args)?,
+        key,
+        max,
+        ttl_millis,
+        id,
+        wait,
     })
 }
 
@@ -185,14 +196,36 @@ mod tests {
                 key: 1,
                 max: 5,
                 ttl_millis: 30000,
-                id: 4
+                id: 4,
+                wait: None,
             })
         );
+        let w = words("LEASE k 5 30000 req-1 wait 2500");
+        assert_eq!(parse_lease(&w[..]).map(|a| a.wait), Ok(Some(2500)));
         let long_id = format!("LEASE k 5 30000 {}", "x".repeat(256));
         assert!(parse_lease(&words(&long_id)[..]).is_ok());
         for (text, error) in [
             ("LEASE k 5 30000", "ERR wrong number of arguments"),
-            ("LEASE k 5 30000 id extra", "ERR wrong number of arguments"),
+            (
+                "LEASE k 5 30000 id extra",
+                "ERR syntax error: expected WAIT ms",
+            ),
+            (
+                "LEASE k 5 30000 id WAIT 1 WAIT 1 x",
+                "ERR wrong number of arguments",
+            ),
+            (
+                "LEASE k 5 30000 id WAIT",
+                "ERR WAIT needs a number of milliseconds",
+            ),
+            (
+                "LEASE k 5 30000 id WAIT -5",
+                "ERR WAIT must be an integer from 0 to 60000",
+            ),
+            (
+                "LEASE k 5 30000 id WAIT 1 WAIT 1",
+                "ERR WAIT given more than once",
+            ),
             (
                 "LEASE k 0 30000 id",
                 "ERR max must be an integer from 1 to 1000000",

@@ -12,4 +12,5 @@ pub mod number;
 pub mod quota;
 pub mod replay;
 pub mod throttle;
+pub mod wait;
 pub mod window;

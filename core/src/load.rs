@@ -1,9 +1,11 @@
 //! The module's load arguments, `loadmodule libqag.so [CL-THROTTLE] [TEST-COMMANDS]
-//! [THROTTLE-SKEW seconds] [ID-SECONDS seconds] [ID-MAX n]`, read with the commands' own parser: words in any order,
-//! case-insensitive, each once; anything else refuses the load.
+//! [THROTTLE-SKEW seconds] [ID-SECONDS seconds] [ID-MAX n] [MAX-WAITERS n]`, read with
+//! the commands' own parser: words in any order, case-insensitive, each once; anything
+//! else refuses the load.
 
 use crate::args::{set_once, ArgError, Args};
 use crate::replay::{DEFAULT_ID_MAX, DEFAULT_ID_SECONDS};
+use crate::wait::{DEFAULT_MAX_WAITERS, MAX_MAX_WAITERS};
 
 /// How far beyond a limiter's burst window a stored THROTTLE time is trusted by
 /// default: clocks of a primary and its replicas differ by far less, and a TAT ahead
@@ -23,6 +25,8 @@ pub struct LoadOptions {
     pub id_seconds: i64,
     /// ID-MAX: the most request ids one key remembers.
     pub id_max: i64,
+    /// MAX-WAITERS: the most clients the server keeps waiting (0: none ever waits).
+    pub max_waiters: i64,
 }
 
 /// The longest ID-SECONDS: a day, the shortest time a quota key outlives its period.
@@ -37,15 +41,16 @@ pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
     words.extend_from_slice(list);
     let mut args = Args::new(&words[..]);
     let (mut cl_throttle, mut test_commands, mut skew) = (None, None, None);
-    let (mut id_seconds, mut id_max) = (None, None);
-    let expected =
-        "CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n";
+    let (mut id_seconds, mut id_max, mut max_waiters) = (None, None, None);
+    let expected = "CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds, \
+         ID-MAX n or MAX-WAITERS n";
     let options = [
         "CL-THROTTLE",
         "TEST-COMMANDS",
         "THROTTLE-SKEW",
         "ID-SECONDS",
         "ID-MAX",
+        "MAX-WAITERS",
     ];
     while let Some(option) = args.option(&options, expected)? {
         let name = options[option];
@@ -53,7 +58,8 @@ pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
             return Err(ArgError::Invalid(match option {
                 2 => "THROTTLE-SKEW needs a number of seconds",
                 3 => "ID-SECONDS needs a number of seconds",
-                _ => "ID-MAX needs a number",
+                4 => "ID-MAX needs a number",
+                _ => "MAX-WAITERS needs a number",
             }));
         }
         match option {
@@ -65,7 +71,12 @@ pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
                 args.integer(name, 1, MAX_ID_SECONDS)?,
                 name,
             )?,
-            _ => set_once(&mut id_max, args.integer(name, 1, MAX_ID_MAX)?, name)?,
+            4 => set_once(&mut id_max, args.integer(name, 1, MAX_ID_MAX)?, name)?,
+            _ => set_once(
+                &mut max_waiters,
+                args.integer(name, 0, MAX_MAX_WAITERS)?,
+                name,
+            )?,
         }
     }
     Ok(LoadOptions {
@@ -74,6 +85,7 @@ pub fn parse_load_args(list: &[&[u8]]) -> Result<LoadOptions, ArgError> {
         throttle_skew_seconds: skew.unwrap_or(DEFAULT_THROTTLE_SKEW_SECONDS),
         id_seconds: id_seconds.unwrap_or(DEFAULT_ID_SECONDS),
         id_max: id_max.unwrap_or(DEFAULT_ID_MAX),
+        max_waiters: max_waiters.unwrap_or(DEFAULT_MAX_WAITERS),
     })
 }
 
@@ -96,7 +108,22 @@ mod tests {
                 throttle_skew_seconds: 60,
                 id_seconds: 300,
                 id_max: 1000,
+                max_waiters: 10_000,
             })
+        );
+    }
+
+    #[test]
+    fn max_waiters_is_a_count_from_zero() {
+        assert_eq!(parse("MAX-WAITERS 0").map(|o| o.max_waiters), Ok(0));
+        assert_eq!(parse("max-waiters 500").map(|o| o.max_waiters), Ok(500));
+        assert_eq!(
+            parse("MAX-WAITERS"),
+            Err("ERR MAX-WAITERS needs a number".to_string())
+        );
+        assert_eq!(
+            parse("MAX-WAITERS 1000001"),
+            Err("ERR MAX-WAITERS must be an integer from 0 to 1000000".to_string())
         );
     }
 
@@ -110,6 +137,7 @@ mod tests {
                 throttle_skew_seconds: 5,
                 id_seconds: 300,
                 id_max: 1000,
+                max_waiters: 10_000,
             })
         );
         assert_eq!(
@@ -158,11 +186,11 @@ mod tests {
             ),
             (
                 "CL-THROTTLE 5",
-                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n",
+                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds, ID-MAX n or MAX-WAITERS n",
             ),
             (
                 "SKEW 5",
-                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds or ID-MAX n",
+                "ERR syntax error: expected CL-THROTTLE, TEST-COMMANDS, THROTTLE-SKEW seconds, ID-SECONDS seconds, ID-MAX n or MAX-WAITERS n",
             ),
         ] {
             assert_eq!(parse(text).err().as_deref(), Some(error), "{text}");

@@ -9,11 +9,13 @@
 //! store garbage), this refuses with an error instead.
 
 use crate::args::{ArgError, ArgList, Args};
+use crate::wait::{self, MAX_WAIT_MS};
 
 const NANOS_PER_SECOND: i128 = 1_000_000_000;
 
-/// `key max_burst count period [quantity]`: `count` per `period` seconds, bursts of
-/// `max_burst + 1`, taking `quantity` (0: only look).
+/// `key max_burst count period [quantity] [WAIT ms]`: `count` per `period` seconds,
+/// bursts of `max_burst + 1`, taking `quantity` (0: only look), waiting up to `ms` for
+/// it when given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ThrottleArgs {
     pub key: usize,
@@ -21,25 +23,34 @@ pub struct ThrottleArgs {
     pub count: i64,
     pub period: i64,
     pub quantity: i64,
+    pub wait: Option<i64>,
 }
 
 pub fn parse_throttle<L: ArgList + ?Sized>(list: &L) -> Result<ThrottleArgs, ArgError> {
     let mut args = Args::new(list);
-    args.expect_count(4, 5)?;
+    // Room for WAIT twice, so that is refused as such.
+    args.expect_count(4, 9)?;
     let key = args.key()?;
     let max_burst = args.integer("max_burst", 0, i64::MAX - 1)?;
     let count = args.integer("count", 1, i64::MAX)?;
     let period = args.integer("period", 1, i64::MAX)?;
-    let quantity = match args.remaining() {
-        0 => 1,
-        _ => args.integer("quantity", 0, i64::MAX)?,
+    let quantity = match args.ahead(0) {
+        Some(word) if !word.eq_ignore_ascii_case(b"WAIT") => {
+            args.integer("quantity", 0, i64::MAX)?
+        }
+        _ => 1,
     };
+    let mut wait = None;
+    while args.option(&["WAIT"], "WAIT ms")?.is_some() {
+        wait::parse_wait(&mut args, &mut wait)?;
+    }
     Ok(ThrottleArgs {
         key,
         max_burst,
         count,
         period,
         quantity,
+        wait,
     })
 }
 
@@ -136,61 +147,174 @@ pub fn emission_interval(count: i64, period: i64) -> Result<i64, ThrottleError> 
 /// Throttles at `now` (nanoseconds since the Unix epoch) a limiter whose stored TAT is
 /// `stored` (None when the key is missing).
 ///
-/// A stored TAT is trusted up to `skew` nanoseconds beyond the limiter's own reach,
-/// `now + tolerance` (no call of this limiter writes a later one by this clock): a TAT
-/// ahead by that little, as after a failover to a primary whose clock is behind, is
-/// kept, so the step back mints no credit. A later one (a clock stepped far forward, a
-/// stray write) is read as a missing key, so it never locks the limiter longer than its
-/// burst window plus the skew. redis-cell trusts every TAT; a skew past the u64 range
-/// (e.g. `skew_nanos(i64::MAX)`) does the same.
+/// One call's arithmetic before its decision.
+struct Gcra {
+    interval: i128,
+    limit: i64,
+    tolerance: i128,
+    increment: i128,
+    /// The stored TAT as trusted (now for none).
+    tat: i128,
+    /// The TAT once this call is taken.
+    new_tat: i128,
+    now: i128,
+}
+
+impl Gcra {
+    /// A stored TAT is trusted up to `skew` nanoseconds, and the longest wait, beyond
+    /// the limiter's own reach, `now + tolerance` (no call of this limiter writes a later
+    /// one by this clock, but waiters, who may charge it up to the longest wait ahead):
+    /// a TAT ahead by that little, as after a failover to a primary whose clock is
+    /// behind, is kept, so the step back mints no credit. A later one (a clock stepped
+    /// far forward, a stray write) is read as a missing key, so it never locks the
+    /// limiter longer than its burst window, the skew and a longest wait. redis-cell
+    /// trusts every TAT; a skew past the u64 range (e.g. `skew_nanos(i64::MAX)`) does
+    /// the same.
+    fn new(
+        args: &ThrottleArgs,
+        stored: Option<u64>,
+        now: i64,
+        skew: i128,
+    ) -> Result<Gcra, ThrottleError> {
+        let overflow = ThrottleError::Overflow;
+        let interval = emission_interval(args.count, args.period)?;
+        let limit = args.max_burst + 1;
+        // Products of i64s in redis-cell (where they wrap): refused here.
+        let tolerance = i128::from(interval.checked_mul(limit).ok_or(overflow)?);
+        let increment = i128::from(interval.checked_mul(args.quantity).ok_or(overflow)?);
+        let now = i128::from(now);
+        let reach = tolerance + skew.saturating_add(i128::from(MAX_WAIT_MS) * 1_000_000);
+        let tat = match stored.map(i128::from) {
+            Some(tat) if tat - now <= reach => tat,
+            _ => now,
+        };
+        Ok(Gcra {
+            interval: i128::from(interval),
+            limit,
+            tolerance,
+            increment,
+            tat,
+            new_tat: now.max(tat) + increment,
+            now,
+        })
+    }
+
+    /// When the call fits: its TAT less the burst window.
+    fn allow_at(&self) -> i128 {
+        self.new_tat - self.tolerance
+    }
+
+    /// The call taken at `at` (now, or when a waiter is served): the reply, and the TAT
+    /// to write for a quantity above 0.
+    fn taken(&self, at: i128, quantity: i64) -> Result<Throttle, ThrottleError> {
+        let write = match quantity {
+            0 => None,
+            // redis-cell would wrap it (and store garbage): refused here.
+            _ => Some(u64::try_from(self.new_tat).map_err(|_| ThrottleError::Overflow)?),
+        };
+        Ok(self.reply(false, -NANOS_PER_SECOND, self.new_tat - at, write))
+    }
+
+    fn reply(&self, limited: bool, retry: i128, ttl: i128, write: Option<u64>) -> Throttle {
+        let next = self.tolerance - ttl;
+        // redis-cell divides whole microseconds as doubles; an interval under a
+        // microsecond makes that an infinite or undefined quotient, which the cast
+        // saturates.
+        let remaining = match next > -self.interval {
+            true => (whole_micros(next) / whole_micros(self.interval)) as i64,
+            false => 0,
+        };
+        Throttle {
+            limited,
+            limit: self.limit,
+            remaining,
+            retry_after_nanos: retry,
+            reset_after_nanos: ttl,
+            write,
+        }
+    }
+}
+
+/// Throttles at `now` (nanoseconds since the Unix epoch) a limiter whose stored TAT is
+/// `stored` (None when the key is missing); how far ahead a stored TAT is trusted:
+/// `Gcra::new`.
 pub fn throttle(
     args: &ThrottleArgs,
     stored: Option<u64>,
     now: i64,
     skew: i128,
 ) -> Result<Throttle, ThrottleError> {
-    let overflow = ThrottleError::Overflow;
-    let interval = emission_interval(args.count, args.period)?;
-    let limit = args.max_burst + 1;
-    // Products of i64s in redis-cell (where they wrap): refused here.
-    let tolerance = i128::from(interval.checked_mul(limit).ok_or(overflow)?);
-    let increment = i128::from(interval.checked_mul(args.quantity).ok_or(overflow)?);
-    let (interval, now) = (i128::from(interval), i128::from(now));
-    let tat = match stored.map(i128::from) {
-        Some(tat) if tat - now <= tolerance + skew => tat,
-        _ => now,
-    };
-    let new_tat = now.max(tat) + increment;
-    let allow_at = new_tat - tolerance;
-    let (limited, retry_after_nanos, ttl, write) = if now < allow_at {
-        let retry = match increment <= tolerance {
-            true => allow_at - now,
+    let gcra = Gcra::new(args, stored, now, skew)?;
+    refused_or_taken(&gcra, args)
+}
+
+fn refused_or_taken(gcra: &Gcra, args: &ThrottleArgs) -> Result<Throttle, ThrottleError> {
+    let allow_at = gcra.allow_at();
+    if gcra.now < allow_at {
+        let retry = match gcra.increment <= gcra.tolerance {
+            true => allow_at - gcra.now,
             false => -NANOS_PER_SECOND,
         };
-        (true, retry, tat - now, None)
-    } else {
-        let write = match args.quantity {
-            0 => None,
-            // redis-cell would wrap it (and store garbage): refused here.
-            _ => Some(u64::try_from(new_tat).map_err(|_| overflow)?),
-        };
-        (false, -NANOS_PER_SECOND, new_tat - now, write)
-    };
-    let next = tolerance - ttl;
-    // redis-cell divides whole microseconds as doubles; an interval under a microsecond
-    // makes that an infinite or undefined quotient, which the cast saturates.
-    let remaining = match next > -interval {
-        true => (whole_micros(next) / whole_micros(interval)) as i64,
-        false => 0,
-    };
-    Ok(Throttle {
-        limited,
-        limit,
-        remaining,
-        retry_after_nanos,
-        reset_after_nanos: ttl,
-        write,
+        return Ok(gcra.reply(true, retry, gcra.tat - gcra.now, None));
+    }
+    gcra.taken(gcra.now, args.quantity)
+}
+
+/// What a throttle that may wait does (`WAIT ms`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThrottleWaiting {
+    /// Answered now, exactly as without WAIT.
+    Now(Throttle),
+    /// Charged now (its TAT written), answered `served` `wait_nanos` from now, when it
+    /// conforms.
+    Later { served: Throttle, wait_nanos: i64 },
+}
+
+/// A throttle that would wait up to `wait_ms` to conform: taken or refused now, as
+/// `throttle`; else, if it conforms within the wait, charged now (the TAT moved on by
+/// its quantity, so every later call, waiting or not, conforms after it) and answered
+/// when it conforms, with the reply a call taken then gets.
+pub fn throttle_waiting(
+    args: &ThrottleArgs,
+    stored: Option<u64>,
+    now: i64,
+    skew: i128,
+    wait_ms: i64,
+) -> Result<ThrottleWaiting, ThrottleError> {
+    let gcra = Gcra::new(args, stored, now, skew)?;
+    let answer = refused_or_taken(&gcra, args)?;
+    let wait = gcra.allow_at() - gcra.now;
+    let fits = gcra.increment <= gcra.tolerance && wait <= i128::from(wait_ms) * 1_000_000;
+    if !answer.limited || args.quantity == 0 || !fits {
+        return Ok(ThrottleWaiting::Now(answer));
+    }
+    Ok(ThrottleWaiting::Later {
+        served: gcra.taken(gcra.allow_at(), args.quantity)?,
+        // At most a minute: within an i64.
+        wait_nanos: wait as i64,
     })
+}
+
+/// A throttle waiter that is not served gives its quantity back: the stored TAT moved
+/// back by its increment (never before now), and every later waiter conforms that much
+/// sooner. Returns the TAT to write (None for a missing key: nothing owed) and how
+/// much sooner, in nanoseconds.
+pub fn give_back(
+    args: &ThrottleArgs,
+    stored: Option<u64>,
+    now: i64,
+    skew: i128,
+) -> Result<(Option<u64>, i64), ThrottleError> {
+    let gcra = Gcra::new(args, stored, now, skew)?;
+    if stored.is_none() {
+        return Ok((None, 0));
+    }
+    let back = (gcra.tat - gcra.increment).max(gcra.now);
+    let sooner = gcra.tat - back;
+    Ok((
+        Some(u64::try_from(back).map_err(|_| ThrottleError::Overflow)?),
+        i64::try_from(sooner).unwrap_or(i64::MAX),
+    ))
 }
 
 /// Nanoseconds truncated to whole microseconds, as a double; in i64 where they fit (an
@@ -255,6 +379,7 @@ mod tests {
             count,
             period,
             quantity,
+            wait: None,
         }
     }
 
@@ -443,13 +568,13 @@ mod tests {
     }
 
     #[test]
-    fn a_tat_is_trusted_up_to_the_skew_beyond_the_burst_window() {
+    fn a_tat_is_trusted_up_to_the_skew_and_a_longest_wait_beyond_the_burst_window() {
         let skew = skew_nanos(60);
-        // Burst 5, one a second: a burst window of 5 s.
+        // Burst 5, one a second: a burst window of 5 s; waiters charge up to 60 s more.
         let a = args(4, 1, 1, 1);
-        let edge = START + 5 * NANOS + 60 * NANOS;
+        let edge = START + 5 * NANOS + 60 * NANOS + 60 * NANOS;
         let t = throttle(&a, at(edge), START, skew).unwrap();
-        assert_eq!(t.as_reply(), [1, 5, 0, 61, 65], "kept: no credit minted");
+        assert_eq!(t.as_reply(), [1, 5, 0, 121, 125], "kept: no credit minted");
         // A nanosecond further: read as a missing key, a fresh limiter.
         let t = throttle(&a, at(edge + 1), START, skew).unwrap();
         assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
@@ -463,14 +588,65 @@ mod tests {
         }
         let t = throttle(&a, Some(u64::MAX), START, skew).unwrap();
         assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
-        // No skew: the burst window only.
-        let t = throttle(&a, at(START + 5 * NANOS), START, 0).unwrap();
-        assert_eq!(t.as_reply(), [1, 5, 0, 1, 5]);
-        let t = throttle(&a, at(START + 5 * NANOS + 1), START, 0).unwrap();
+        // No skew: the burst window and a longest wait only.
+        let t = throttle(&a, at(START + 65 * NANOS), START, 0).unwrap();
+        assert_eq!(t.as_reply(), [1, 5, 0, 61, 65]);
+        let t = throttle(&a, at(START + 65 * NANOS + 1), START, 0).unwrap();
         assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
         // A TAT behind the clock is no matter of trust: the clock's.
         let t = throttle(&a, at(START - 100 * NANOS), START, 0).unwrap();
         assert_eq!(t.as_reply(), [0, 5, 4, -1, 1]);
+    }
+
+    #[test]
+    fn wait_follows_the_quantity_or_stands_alone() {
+        let parse = |words: &str| {
+            let list: Vec<&[u8]> = words.split(' ').map(str::as_bytes).collect();
+            parse_throttle(&list[..]).map(|a| (a.quantity, a.wait))
+        };
+        assert_eq!(parse("T k 1 1 1 WAIT 5"), Ok((1, Some(5))));
+        assert_eq!(parse("T k 1 1 1 3 wait 0"), Ok((3, Some(0))));
+        assert_eq!(parse("T k 1 1 1 3"), Ok((3, None)));
+    }
+
+    #[test]
+    fn waiters_are_charged_at_arrival_and_conform_in_order() {
+        // Burst 1 (max_burst 0), one a second: one now, then one a second.
+        let a = args(0, 1, 1, 1);
+        let first = throttle_waiting(&a, None, START, 0, 5_000).unwrap();
+        let ThrottleWaiting::Now(t) = first else {
+            panic!("the first fits now");
+        };
+        assert!(!t.limited);
+        let second = throttle_waiting(&a, t.write, START, 0, 5_000).unwrap();
+        let ThrottleWaiting::Later { served, wait_nanos } = second else {
+            panic!("the second waits");
+        };
+        assert_eq!(wait_nanos, NANOS);
+        assert_eq!(served.as_reply(), [0, 1, 0, -1, 1]);
+        let third = throttle_waiting(&a, served.write, START, 0, 5_000).unwrap();
+        let ThrottleWaiting::Later { served, wait_nanos } = third else {
+            panic!("the third waits after it");
+        };
+        assert_eq!(wait_nanos, 2 * NANOS);
+        // A plain call is refused until then, never overtaking them.
+        let plain = throttle(&a, served.write, START + NANOS, 0).unwrap();
+        assert_eq!(plain.as_reply()[..4], [1, 1, 0, 2]);
+        // A wait too short: refused at once, nothing written, as without WAIT.
+        let short = throttle_waiting(&a, served.write, START, 0, 2_500).unwrap();
+        assert_eq!(
+            short,
+            ThrottleWaiting::Now(throttle(&a, served.write, START, 0).unwrap())
+        );
+        // One that leaves gives its interval back: the TAT one second sooner.
+        let (back, sooner) = give_back(&a, served.write, START, 0).unwrap();
+        assert_eq!((back, sooner), (at(START + 2 * NANOS), NANOS));
+        assert_eq!(give_back(&a, None, START, 0).unwrap(), (None, 0));
+        // A quantity above the burst never waits; a peek never does.
+        let never = throttle_waiting(&args(0, 1, 1, 2), None, START, 0, 60_000).unwrap();
+        assert!(matches!(never, ThrottleWaiting::Now(t) if t.limited));
+        let peek = throttle_waiting(&args(0, 1, 1, 0), served.write, START, 0, 60_000).unwrap();
+        assert!(matches!(peek, ThrottleWaiting::Now(_)));
     }
 
     #[test]
@@ -549,7 +725,8 @@ mod tests {
                 max_burst: 15,
                 count: 30,
                 period: 60,
-                quantity: 1
+                quantity: 1,
+                wait: None,
             })
         );
         assert_eq!(parse("T k 0 1 1 0").map(|a| a.quantity), Ok(0));
@@ -564,7 +741,18 @@ mod tests {
         assert_eq!(parse("T k +1 +2 +3 +4").map(|a| a.quantity), Ok(4));
         for (words, error) in [
             ("T k 1 1", "ERR wrong number of arguments"),
-            ("T k 1 1 1 1 1", "ERR wrong number of arguments"),
+            (
+                "T k 1 1 1 1 WAIT 5 WAIT 5 x",
+                "ERR wrong number of arguments",
+            ),
+            ("T k 1 1 1 1 WAIT 5 x", "ERR syntax error: expected WAIT ms"),
+            ("T k 1 1 1 1 1", "ERR syntax error: expected WAIT ms"),
+            ("T k 1 1 1 WAIT", "ERR WAIT needs a number of milliseconds"),
+            (
+                "T k 1 1 1 WAIT 60001",
+                "ERR WAIT must be an integer from 0 to 60000",
+            ),
+            ("T k 1 1 1 WAIT 1 WAIT 1", "ERR WAIT given more than once"),
             (
                 "T k -1 1 1",
                 "ERR max_burst must be an integer from 0 to 9223372036854775806",
