@@ -289,7 +289,7 @@ pub fn serve_slots(ctx: &Ctx, key: &[u8], now: i64) {
     let db = selected_db(ctx);
     let name = (db, key.to_vec());
     loop {
-        let Some(seq) = with(|r| r.queues.get(&name).and_then(|q| q.front().copied())) else {
+        let Some(seq) = with(|r| slot_waiter_first(r, &name)) else {
             return;
         };
         let Some(mut waiter) = with(|r| remove(r, seq)) else {
@@ -321,6 +321,16 @@ pub fn serve_slots(ctx: &Ctx, key: &[u8], now: i64) {
             }
         }
     }
+}
+
+/// The first waiter of a key of slot waiters (a key of timed waiters has none: its
+/// timers serve them).
+fn slot_waiter_first(r: &Registry, name: &KeyName) -> Option<u64> {
+    let seq = r.queues.get(name)?.front().copied()?;
+    r.waiters
+        .get(&seq)
+        .filter(|waiter| !waiter.timed)
+        .map(|_| seq)
 }
 
 /// Looks at the slot waiters of `key` (the calling client's database) in `in_micros`:
@@ -376,7 +386,7 @@ extern "C" fn on_key_event(
         }
         // SAFETY: the event's key, live for the callback.
         let name = (selected_db(&ctx), unsafe { string_bytes(key) }.to_vec());
-        if with(|r| r.queues.contains_key(&name)) {
+        if with(|r| slot_waiter_first(r, &name).is_some()) {
             check_at(&ctx, name, 0);
         }
     });

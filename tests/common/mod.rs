@@ -783,3 +783,35 @@ pub fn signal(which: &str, pid: u32) {
         .expect("run kill");
     assert!(status.success(), "kill {which} {pid}");
 }
+
+/// The machine's cores, shared by the suites CI runs side by side (the module's, the
+/// Rust client's, the Python client's): a test that keeps every core busy on purpose
+/// holds them alone, a test that measures how soon the server answers holds them shared,
+/// so the two never run at once. A lock on one file of the temporary directory (the
+/// Python suite's `cores` fixture takes the same), released when dropped.
+pub struct Cores(std::fs::File);
+
+impl Cores {
+    fn file() -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(std::env::temp_dir().join("qag-test-cores.lock"))
+            .expect("open the cores' lock")
+    }
+
+    /// For a test that times the server.
+    pub fn shared() -> Cores {
+        let file = Cores::file();
+        file.lock_shared().expect("share the cores");
+        Cores(file)
+    }
+
+    /// For a test that keeps them busy.
+    pub fn exclusive() -> Cores {
+        let file = Cores::file();
+        file.lock().expect("take the cores");
+        Cores(file)
+    }
+}

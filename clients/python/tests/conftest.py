@@ -6,6 +6,7 @@ killed and removed when the test ends, however it ends."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Union
 
@@ -235,6 +237,28 @@ def cluster_ready(node: Server, size: int) -> bool:
         return False
     role = client.info("replication")
     return role["role"] == "master" or role.get("master_link_status") == "up"
+
+
+@contextmanager
+def cores(exclusive: bool) -> Iterator[None]:
+    """The machine's cores, shared by the suites CI runs side by side (the module's, the
+    Rust client's, this one): a test that keeps every core busy on purpose holds them
+    alone, a test that times the server holds them shared, so the two never run at once.
+    A lock on the file the Rust harness's `Cores` locks."""
+    path = os.path.join(tempfile.gettempdir(), "qag-test-cores.lock")
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def timing() -> Iterator[None]:
+    """For a test that times the server: no test keeps the cores busy meanwhile."""
+    with cores(exclusive=False):
+        yield
 
 
 @pytest.fixture

@@ -259,6 +259,7 @@ def test_a_stopped_redis_costs_a_request_one_deadline(
     start_server: Callable[..., Server],
     start_gateway: Callable[..., Gateway],
     stop: Callable[[Server], None],
+    timing: None,
 ) -> None:
     """Issue 34: a request with two buckets, a quota and a slot, each asked of a Redis
     that no longer answers (SIGSTOP, no back-off: every call goes to Redis), waits one

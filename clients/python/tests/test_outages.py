@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
-from conftest import Blocking, Server
+from conftest import Blocking, Server, cores
 from qag_client import AsyncLimiter, Bucket, Decision, QagBusy, QagUnavailable, Quota
 
 DEADLINE = 0.3
@@ -36,6 +36,7 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     start_server: Callable[..., Server],
     make_limiter: Callable[..., Any],
     stop: Callable[[Server], None],
+    timing: None,
 ) -> None:
     server = start_server()
     strict = make_limiter(server, deadline=DEADLINE, back_off=1.0)
@@ -101,6 +102,7 @@ def test_connecting_to_a_stopped_server_is_within_the_deadline(
     start_server: Callable[..., Server],
     make_limiter: Callable[..., Any],
     stop: Callable[[Server], None],
+    timing: None,
 ) -> None:
     server = start_server()
     stop(server)
@@ -139,7 +141,7 @@ def gateway_request(limiter: Any, n: int) -> Tuple[float, float, Set[str], int]:
 
 
 def test_every_family_during_a_stop_under_each_policy(
-    start_server: Callable[..., Server], stop: Callable[[Server], None]
+    start_server: Callable[..., Server], stop: Callable[[Server], None], timing: None
 ) -> None:
     from qag_client import Limiter
 
@@ -426,20 +428,22 @@ def test_a_drained_limit_stays_drained_when_redis_stops(
 @pytest.fixture
 def busy_cores() -> Iterator[None]:
     """Both cores of the machine kept busy by processes of their own (as a loaded
-    gateway host is), stopped when the test ends however it ends."""
+    gateway host is), stopped when the test ends however it ends; no test that times the
+    server runs meanwhile (``cores``)."""
     import subprocess
     import sys
 
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(os.cpu_count() or 2)
-    ]
-    try:
-        yield
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
+    with cores(exclusive=True):
+        burners = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 2)
+        ]
+        try:
+            yield
+        finally:
+            for burner in burners:
+                burner.kill()
+                burner.wait()
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

@@ -152,6 +152,7 @@ async fn an_outage_costs_one_deadline_per_back_off_under_every_policy() {
     if external("an_outage_costs_one_deadline_per_back_off_under_every_policy") {
         return;
     }
+    let _timed = Cores::shared();
     let server = Server::start(&ServerOptions::default());
     let policies = [
         OnUnavailable::Raise,
@@ -626,28 +627,32 @@ async fn a_restart_is_no_outage() {
 }
 
 /// Both cores of the machine kept busy by processes of their own (as a loaded gateway
-/// host is), stopped when dropped however the test ends.
-struct BusyCores(Vec<std::process::Child>);
+/// host is), stopped when dropped however the test ends; no test that times the server
+/// runs meanwhile (the cores held alone).
+struct BusyCores {
+    burners: Vec<std::process::Child>,
+    _alone: Cores,
+}
 
 impl BusyCores {
     fn start() -> BusyCores {
+        let _alone = Cores::exclusive();
         let cores = std::thread::available_parallelism().map_or(2, usize::from);
-        BusyCores(
-            (0..cores)
-                .map(|_| {
-                    Command::new("sh")
-                        .args(["-c", "while :; do :; done"])
-                        .spawn()
-                        .expect("start a burner")
-                })
-                .collect(),
-        )
+        let burners = (0..cores)
+            .map(|_| {
+                Command::new("sh")
+                    .args(["-c", "while :; do :; done"])
+                    .spawn()
+                    .expect("start a burner")
+            })
+            .collect();
+        BusyCores { burners, _alone }
     }
 }
 
 impl Drop for BusyCores {
     fn drop(&mut self) {
-        for burner in &mut self.0 {
+        for burner in &mut self.burners {
             let _ = burner.kill();
             let _ = burner.wait();
         }

@@ -432,6 +432,7 @@ async fn a_stopped_redis_costs_a_request_one_deadline() {
     if external("a_stopped_redis_costs_a_request_one_deadline") {
         return;
     }
+    let _timed = Cores::shared();
     let server = Server::start(&ServerOptions::default());
     let flags = [
         "--client-limit",
