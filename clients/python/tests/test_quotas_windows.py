@@ -63,7 +63,7 @@ def test_quota_headers_count_the_call_itself(
         rendered.append(dict(headers(quota=check.after(usage))))
     assert [fields["x-quota-remaining-calls"] for fields in rendered] == ["2", "1", "0", "0"]
     assert ["retry-after" in fields for fields in rendered] == [False, False, False, True]
-    assert all(fields["ratelimit-policy"] == '"calls";q=3' for fields in rendered)
+    assert all(fields["ratelimit-policy"] == '"calls";q=3;qu="requests"' for fields in rendered)
 
 
 def test_a_refused_lease_renders_retry_after_one(
