@@ -489,8 +489,9 @@ mod tests {
 
     #[test]
     fn a_window_resets_at_the_end_of_the_next_window() {
-        // 12.5 s into a minute: what counts now stops counting 107.5 s from now.
-        let now = 1_800_000_000_000 - 1_800_000_000_000 % 60_000 + 12_500;
+        // 12.5 s into a minute (1,800,000,000 s is one's start): what counts now stops
+        // counting 107.5 s from now.
+        let now = 1_800_000_012_500;
         let kind = window_kind([60, 0, 1000].into_iter(), Some(59), 60, now);
         assert_eq!(kind, Some(["60".into(), "59".into(), "1m47.5s".into()]));
         let full = window_kind([60].into_iter(), Some(60), 60, now);
