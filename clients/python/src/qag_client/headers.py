@@ -92,7 +92,9 @@ def _slots(max_slots: int, live: int, refused: bool) -> _Limit:
     # A slot may be released at any time: ask again in a second.
     remaining = 0 if refused else max(max_slots - live, 0)
     reset = 1 if refused else None
-    return _Limit("concurrency", max_slots, "concurrent-requests", None, remaining, reset, refused, 1)
+    return _Limit(
+        "concurrency", max_slots, "concurrent-requests", None, remaining, reset, refused, 1
+    )
 
 
 def go_duration(millis: int) -> str:
