@@ -9,9 +9,11 @@ use qag_core::args::ArgList;
 use qag_core::bucket::{self, Limit, State, Take as Outcome, Verdict};
 use qag_core::number::{format_number, NumberBuffer};
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
-use crate::key::{Access, FieldName, Key, OwnedString, RawString, ValueType};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply, ID_ARG};
+use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
 use crate::replay::{self, Remembered, RequestId};
+use crate::server::RawString;
+use crate::server::{CommandError, Ctx};
 use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY};
 
 static TOKENS: FieldName = FieldName::new("tokens");

@@ -14,10 +14,7 @@ use std::sync::OnceLock;
 use qag_core::number::{format_signed, NumberBuffer};
 use redis_module::raw;
 
-use crate::command::{string_bytes, CommandError, Ctx};
-
-/// A server string, as the key API takes it.
-pub type RawString = *mut raw::RedisModuleString;
+use crate::server::{string_bytes, CommandError, Ctx, RawString};
 
 /// The most fields one `set_fields` writes.
 const MAX_FIELDS: usize = 8;

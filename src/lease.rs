@@ -6,8 +6,10 @@ use std::ffi::CStr;
 
 use qag_core::lease::{self, Acquire};
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
-use crate::key::{Access, Key, OwnedString, RawString, ValueType};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply};
+use crate::key::{Access, Key, OwnedString, ValueType};
+use crate::server::RawString;
+use crate::server::{CommandError, Ctx};
 use crate::stats::CallCounters;
 
 /// A key's slots, opened for one call at one instant.

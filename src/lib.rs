@@ -7,23 +7,16 @@ mod key;
 mod lease;
 mod quota;
 mod replay;
+mod server;
 mod stats;
 mod testing;
 mod throttle;
 mod window;
 
-use std::ffi::CStr;
-
 use redis_module::{redis_module, Context, RedisString, Status};
 
 use command::{register, Features};
-
-/// The crate's version, `Cargo.toml`'s, as INFO shows it.
-pub const VERSION: &CStr =
-    match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
-        Ok(version) => version,
-        Err(_) => panic!("the crate version holds a NUL"),
-    };
+use stats::VERSION;
 
 /// The version MODULE LIST shows: major × 10000 + minor × 100 + patch.
 const MODULE_VERSION: i32 = decimal(env!("CARGO_PKG_VERSION_MAJOR")) * 10_000
@@ -232,7 +225,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
         options.throttle_skew_seconds,
         options.id_seconds,
         options.id_max,
-        command::clock_name().to_string_lossy(),
+        server::clock_name().to_string_lossy(),
     ));
     Status::Ok
 }

@@ -7,9 +7,10 @@ use std::ptr;
 use qag_core::number::{format_signed, NumberBuffer};
 use qag_core::quota::{self, Period, QuotaArgs, Usage};
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, Row, ID_ARG};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply, Row, ID_ARG};
 use crate::key::{Access, FieldName, Key, OwnedString, ValueType};
 use crate::replay::RequestId;
+use crate::server::{CommandError, Ctx};
 use crate::stats::CallCounters;
 
 static PERIOD: FieldName = FieldName::new("period");

@@ -6,8 +6,10 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use qag_core::args::ArgList;
 use qag_core::replay::{self, Answer, AnswerRef, IdArg, Record, Reserved};
 
-use crate::command::{Ctx, RawArgs, Reply, Row};
-use crate::key::{Key, OwnedString, RawString};
+use crate::command::{RawArgs, Reply, Row};
+use crate::key::{Key, OwnedString};
+use crate::server::Ctx;
+use crate::server::RawString;
 
 /// ID-SECONDS and ID-MAX: set once when the module loads.
 static ID_SECONDS: AtomicI64 = AtomicI64::new(replay::DEFAULT_ID_SECONDS);

@@ -7,6 +7,13 @@ use std::sync::Mutex;
 
 use redis_module::raw;
 
+/// The crate's version, `Cargo.toml`'s, as INFO shows it.
+pub const VERSION: &CStr =
+    match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(version) => version,
+        Err(_) => panic!("the crate version holds a NUL"),
+    };
+
 /// The most outcomes one command counts (TAKE2: allowed, refused by either bucket).
 const MAX_OUTCOMES: usize = 3;
 
@@ -127,12 +134,8 @@ pub extern "C" fn info(ctx: *mut raw::RedisModuleInfoCtx, _for_crash_report: c_i
         unsafe {
             raw::RedisModule_InfoAddSection.unwrap()(ctx, c"".as_ptr());
             let add = raw::RedisModule_InfoAddFieldCString.unwrap();
-            add(ctx, c"version".as_ptr(), crate::VERSION.as_ptr());
-            add(
-                ctx,
-                c"clock".as_ptr(),
-                crate::command::clock_name().as_ptr(),
-            );
+            add(ctx, c"version".as_ptr(), VERSION.as_ptr());
+            add(ctx, c"clock".as_ptr(), crate::server::clock_name().as_ptr());
             let add = raw::RedisModule_InfoAddFieldULongLong.unwrap();
             add(ctx, c"replays".as_ptr(), REPLAYS.load(Ordering::Relaxed));
             for shown in lock().iter() {

@@ -3,7 +3,8 @@
 
 use std::ffi::CStr;
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply};
+use crate::server::{CommandError, Ctx};
 use crate::stats::CallCounters;
 
 static PANIC: CallCounters = CallCounters::new();

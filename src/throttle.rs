@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use qag_core::number::{format_integer, NumberBuffer};
 use qag_core::throttle::{self, ThrottleArgs};
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply};
 use crate::key::{Access, Key, ValueType};
+use crate::server::{CommandError, Ctx};
 use crate::stats::CallCounters;
 
 /// THROTTLE-SKEW, in seconds: set once when the module loads.

@@ -13,9 +13,11 @@ use qag_core::args::ArgList;
 use qag_core::replay::{self as replay_core, IdArg, Reserved};
 use redis_module::raw;
 
-use crate::command::{Arg, Command, CommandError, Ctx, KeyLayout, RawArgs, Reply, ID_ARG};
-use crate::key::{Access, FieldName as SharedName, Key, OwnedString, RawString, ValueType};
+use crate::command::{Arg, Command, KeyLayout, RawArgs, Reply, ID_ARG};
+use crate::key::{Access, FieldName as SharedName, Key, OwnedString, ValueType};
 use crate::replay::{self, Remembered, RequestId, Reservation};
+use crate::server::RawString;
+use crate::server::{CommandError, Ctx};
 use crate::stats::CallCounters;
 
 static HOLDS: SharedName = SharedName::new(window::HOLDS_FIELD);

@@ -49,9 +49,10 @@ pub struct Options {
     pub deadline: Duration,
     /// What a call does when Redis fails, and during the back-off after it.
     pub on_unavailable: OnUnavailable,
-    /// How long Redis is left alone after a failure (zero: every call tries Redis; a
-    /// day at most). When it ends, one call probes Redis; the others keep to the policy
-    /// until the probe has answered.
+    /// The longest wait between probes of Redis after a failure: the first probe comes
+    /// 0.1 s after it, each that fails doubles the wait, up to this (zero: no back-off,
+    /// every call tries Redis; a day at most). Calls keep to the policy until a probe
+    /// (in the background) has found Redis answering.
     pub back_off: Duration,
     /// This process's share of every limit under [`OnUnavailable::Local`]: 1/N for N
     /// gateway processes keeps a fleet near its limits during an outage. Above 1 counts

@@ -20,7 +20,8 @@ pub enum OnUnavailable {
     /// Answers "not counted, forwarded" ([`AnsweredBy::Forwarded`]): the caller lets
     /// the request through uncounted (ADR 0032's data plane).
     Forward,
-    /// Counts in this process: buckets start full, leases, quotas and windows are
+    /// Counts in this process, each key from Redis's last word on it (a key never seen
+    /// answered starts fresh: a full bucket), buckets, leases, quotas and windows
     /// counted per process, all scaled by [`Options::local_share`](crate::Options).
     Local,
 }
