@@ -16,9 +16,10 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
 # fastapi, uvicorn, httpx and flask: for the middleware's tests and the example only
-# (the package itself needs none of them).
+# (the package itself needs none of them); http_sfv: the tests parse the draft's
+# RateLimit fields with a real Structured Fields parser.
 "$venv/bin/python" -m pip install --quiet "$redis_spec" "pytest>=7" black mypy \
-  fastapi uvicorn httpx flask >&2
+  fastapi uvicorn httpx flask http_sfv >&2
 # setuptools keeps build/ between builds: a stale copy of a removed file would be packed.
 rm -rf clients/python/build
 "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps ./clients/python >&2

@@ -4,27 +4,32 @@ key's bucket, its calls quota and its concurrent queries, with the answers of AD
 python clients/python/examples/fastapi_gateway.py --redis redis://127.0.0.1:6379/ \
   --listen 127.0.0.1:8080 [--client-limit 20/1] [--key-limit 60/60] [--max-concurrent 4] \
   [--quota-calls 100000 --quota-per month --quota-tz Europe/Berlin] \
-  [--policy raise|forward|local] [--back-off 5] [--tpm 100000]
+  [--policy raise|forward|local] [--back-off 5] [--tpm 100000] [--rpm 0] \
+  [--shadow key,quota,...]
 
 GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a body
 streamed in `chunks` pieces over work_ms.
 GET /v1/complete?key=K&estimate=N&tokens=N[&parts=N][&work_ms=N]: a model call under the
-key's tokens a minute (--tpm): `estimate` tokens held at admission, the response's
-`tokens` charged in `parts` while it runs over work_ms, committed at the end.
+key's tokens (--tpm) and requests (--rpm, 0: none) a minute: `estimate` tokens held at
+admission, the response's `tokens` charged in `parts` while it runs over work_ms,
+committed at the end; its answers carry the OpenAI-style x-ratelimit-*-requests and
+-tokens fields of that window.
+GET /limits (not limited): how each limit answered, {"key": {"allowed": N, "refused": N,
+"shadow": false}, ...}: the numbers to watch for a limit in --shadow.
 """
 
 import argparse
 import asyncio
 import socket
-from typing import AsyncIterator, Optional, Tuple
+from typing import Any, AsyncIterator, Optional, Tuple
 
 import redis.asyncio
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from qag_client import AsyncLimiter, QagError, Quota
-from qag_client.asgi import KeyLimits, RateLimitMiddleware, query_parameter
+from qag_client import AsyncLimiter, QagError, Quota, headers
+from qag_client.asgi import LIMITS, KeyLimits, RateLimitMiddleware, query_parameter
 from qag_client.fastapi import Admitted, admitted
 
 app = FastAPI()
@@ -60,12 +65,14 @@ async def complete(
     # The key's model tokens a minute: the estimate (input + max_tokens) held while the
     # call runs, what it streams charged as it goes, its count committed at the end.
     key = limits.api_key or "anonymous"
-    scopes = [(f"qag:win:{{{key}}}:tokens", 0, request.app.state.tpm)]
+    scopes = [(f"qag:win:{{{key}}}:tokens", request.app.state.rpm, request.app.state.tpm)]
     try:
         async with limiter.reserve(scopes, estimate) as hold:
+            # The fields a model API's callers read: its tightest limits now, the tokens
+            # this request holds counted (and a refusal's retry-after).
+            window = dict(headers(chain=(scopes, hold.admission)))
             if not hold.admitted:
-                wait = str(hold.admission.retry_after)
-                return JSONResponse({"code": "tpm_exceeded"}, 429, {"retry-after": wait})
+                return JSONResponse({"code": "tpm_exceeded"}, 429, window)
             for _ in range(parts):
                 await asyncio.sleep(work_ms / 1000 / parts)  # the model streams a part
                 if await request.is_disconnected():
@@ -75,7 +82,7 @@ async def complete(
             await hold.commit(tokens)
     except QagError:  # Redis failed under "raise", or has no module
         return JSONResponse({"code": "limiter_unavailable"}, 503)
-    return JSONResponse({"request_id": limits.request_id, "tokens": tokens})
+    return JSONResponse({"request_id": limits.request_id, "tokens": tokens}, headers=window)
 
 
 def main() -> None:
@@ -86,7 +93,7 @@ def main() -> None:
         on_unavailable=args.policy,
         back_off=args.back_off,
     )
-    app.state.limiter, app.state.tpm = limiter, args.tpm
+    app.state.limiter, app.state.tpm, app.state.rpm = limiter, args.tpm, args.rpm
     quota = None
     if args.quota_calls is not None:
         quota = Quota(args.quota_per, args.quota_tz, calls=args.quota_calls)
@@ -98,7 +105,17 @@ def main() -> None:
         key_limits=KeyLimits(
             bucket=args.key_limit, max_concurrent=args.max_concurrent, quota=quota
         ),
+        shadow=args.shadow,  # limits tried on live traffic: their refusals let through
     )
+
+    async def served(scope: Any, receive: Any, send: Any) -> None:
+        # /limits reports the counts, not limited; everything else goes through the limits.
+        if scope["type"] == "http" and scope["path"] == "/limits":
+            counts = {limit: vars(limited.limit_counts(limit)) for limit in LIMITS}
+            await JSONResponse(counts)(scope, receive, send)
+        else:
+            await limited(scope, receive, send)
+
     host, port = args.listen.rsplit(":", 1)
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -110,7 +127,7 @@ def main() -> None:
     # Listening before saying so: a caller may connect at once, before uvicorn serves.
     listener.listen(2048)
     print(f"listening on {host}:{listener.getsockname()[1]}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(limited, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(served, log_level="warning", lifespan="off"))
     server.run(sockets=[listener])
 
 
@@ -127,6 +144,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policy", choices=("raise", "forward", "local"), default="raise")
     parser.add_argument("--back-off", type=float, default=5.0, help="seconds Redis is left alone")
     parser.add_argument("--tpm", type=int, default=100_000, help="model tokens a minute a key")
+    parser.add_argument("--rpm", type=int, default=0, help="model requests a minute a key")
+    parser.add_argument(
+        "--shadow", type=lambda text: text.split(","), default=[], help="limits in shadow"
+    )
     return parser.parse_args()
 
 

@@ -3,7 +3,10 @@
 module and without it; and the WSGI middleware under Flask. Exact headers call by
 call, the 429 at the right request with ADR 0032's body, the client's bucket refusing
 without touching the key's, refunds on later refusals, the quota counting down,
-streams holding their slot to the last byte, a client gone mid-stream freeing it."""
+streams holding their slot to the last byte, a client gone mid-stream freeing it; the
+quota's fields on every answer to a caller with a quota, the draft's RateLimit fields
+parsed with a Structured Fields parser (http_sfv) and agreeing with the others, a
+window chain's OpenAI-style fields, and a limit in shadow."""
 
 from __future__ import annotations
 
@@ -13,8 +16,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+import json
+import re
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import http_sfv
 import httpx
 import pytest
 
@@ -403,3 +409,220 @@ def test_the_middleware_never_takes_its_ids_from_the_request(
     assert answers[0].json() == {"request_id": "same"}
     fields = server.client().hgetall("qag:ratelimit:key:3/3600:acme~r")
     assert not [name for name in fields if b"same" in name]
+
+
+Items = Dict[str, Dict[str, Any]]
+
+
+def draft_items(field: str, value: str) -> Items:
+    """A List field of draft-ietf-httpapi-ratelimit-headers-11, parsed with http_sfv, each
+    item's name and parameters, checked against the draft's rules (ValueError if not):
+    every item a String with parameters; in ``ratelimit-policy``, ``q`` a non-negative
+    Integer (required), ``qu`` a String, ``w`` a positive Integer; in ``ratelimit``,
+    ``r`` a non-negative Integer (required), ``t`` a non-negative Integer; ``pk`` a Byte
+    Sequence in both. Other parameters are allowed (comments)."""
+    parsed = http_sfv.List()
+    parsed.parse(value.encode())
+    items: Items = {}
+
+    def integer(name: str, params: Dict[str, Any], param: str, least: int, required: bool) -> None:
+        found = params.get(param)
+        if found is None and not required:
+            return
+        if isinstance(found, bool) or not isinstance(found, int) or found < least:
+            raise ValueError(f"{name}: {param} is {found!r} in {value}")
+
+    for item in parsed:
+        name = item.value
+        if not isinstance(name, str) or isinstance(name, http_sfv.Token):
+            raise ValueError(f"a name not a String: {value}")
+        params = dict(item.params)
+        if field == "ratelimit-policy":
+            integer(name, params, "q", 0, True)
+            integer(name, params, "w", 1, False)
+            unit = params.get("qu")
+            if unit is not None and (not isinstance(unit, str) or isinstance(unit, http_sfv.Token)):
+                raise ValueError(f"{name}: qu not a String in {value}")
+        else:
+            integer(name, params, "r", 0, True)
+            integer(name, params, "t", 0, False)
+        if not isinstance(params.get("pk", b""), bytes):
+            raise ValueError(f"{name}: pk not a Byte Sequence in {value}")
+        items[name] = params
+    return items
+
+
+def test_the_drafts_examples_pass_the_checks_the_gateways_fields_pass() -> None:
+    for policy in (
+        '"burst";q=100;w=60,"daily";q=1000;w=86400',
+        '"default";q=100;w=10',
+        '"permin";q=50;w=60,"perhr";q=1000;w=3600',
+        '"peruser";q=100;w=60;pk=:cHsdsRa894==:',
+        '"peruser";q=65535;qu="content-bytes";w=10;pk=:sdfjLJUOUH==:',
+        '"hour";q=1000;w=3600, "day";q=5000;w=86400',
+    ):
+        draft_items("ratelimit-policy", policy)
+    for limit in (
+        '"default";r=50;t=30',
+        '"default";r=999;pk=:dHJpYWwxMjEzMjM=:',
+        '"default";r=300000000;t=60;pk=:QXBwLTk5OQ==:',
+        '"dayLimit";r=100;t=36000',
+        '"problemPolicy";r=0;t=10',
+    ):
+        draft_items("ratelimit", limit)
+    # What the draft rules out: a Token for a name (-08's form), no quota, a window of
+    # 0, a negative remaining.
+    for field, bad in (
+        ("ratelimit-policy", "default;q=100;w=60"),
+        ("ratelimit-policy", '"default";w=60'),
+        ("ratelimit-policy", '"default";q=100;w=0'),
+        ("ratelimit", '"default";r=-1;t=5'),
+    ):
+        with pytest.raises(ValueError):
+            draft_items(field, bad)
+
+
+def check_fields(response: httpx.Response, calls: int, refused_by: Optional[str]) -> None:
+    """Every answer to a caller with a quota of ``calls`` carries the quota's fields, and
+    the draft's fields parse and agree with the others: a bucket's ``q`` and ``r`` are
+    its x-ratelimit-* limit and remaining, the quota's ``r`` and ``t`` its remaining
+    calls and the time to its reset, every limit in the policy has its service limit;
+    the refusing limit (``refused_by``) has nothing left and waits what retry-after
+    says."""
+    fields = response.headers
+    what = f"{response.status_code} {dict(fields)} {response.text}"
+    number = lambda name: None if name not in fields else int(fields[name])  # noqa: E731
+    calls_left, resets_at = number("x-quota-remaining-calls"), number("x-quota-reset")
+    assert calls_left is not None and resets_at is not None, what
+    policy = draft_items("ratelimit-policy", fields["ratelimit-policy"])
+    limits = draft_items("ratelimit", fields["ratelimit"])
+    assert sorted(policy) == sorted(limits), what
+    for name, prefix in (("client", "x-ratelimit"), ("key", "x-ratelimit-key")):
+        assert policy.get(name, {}).get("q") == number(f"{prefix}-limit"), what
+        assert limits.get(name, {}).get("r") == number(f"{prefix}-remaining"), what
+    assert policy["calls"]["q"] == calls and limits["calls"]["r"] == calls_left, what
+    assert abs(resets_at - int(time.time()) - limits["calls"]["t"]) <= 2, what
+    if refused_by is None:
+        assert "retry-after" not in fields, what
+    else:
+        assert limits[refused_by]["r"] == 0, what
+        assert limits[refused_by]["t"] == number("retry-after"), what
+
+
+def test_every_answer_to_a_caller_with_a_quota_carries_it_and_the_drafts_fields_agree(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    """Issue 35: a bucket's 429, a slot's and the quota's own carry the quota's fields as
+    the 200s do (read in the round trip of the buckets, counting nothing), and the
+    draft's fields name the limit that refused."""
+    server = start_server()
+    flags = ["--client-limit", "5/3600", "--key-limit", "2/3600", "--max-concurrent", "1"]
+    gateway = start_gateway(server, *flags, "--quota-calls", "10", "--quota-per", "day")
+
+    async def a_slot_refused() -> Tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            url = gateway.url("key=acme~s&work_ms=1000&chunks=2")
+            async with client.stream("GET", url) as stream:  # its headers: it holds its slot
+                held = await client.get(gateway.url("key=acme~s"))
+                await stream.aread()
+            return stream, held
+
+    stream, held = asyncio.run(a_slot_refused())
+    assert (stream.status_code, held.status_code) == (200, 429)
+    assert "too_many_concurrent" in held.text
+    check_fields(stream, 10, None)
+    check_fields(held, 10, "concurrency")
+    assert held.headers["x-quota-remaining-calls"] == "9"
+
+    # The key's bucket of 2, then the client's of 5 (given back what later limits refused).
+    answers = [httpx.get(gateway.url(f"key=acme~{key}"), timeout=10) for key in "kkkccc"]
+    assert [answer.status_code for answer in answers] == [200, 200, 429, 200, 200, 429]
+    for answer, refused_by in zip(answers, (None, None, "key", None, None, "client")):
+        check_fields(answer, 10, refused_by)
+    assert "for this API key" in answers[2].text
+    assert answers[2].headers["x-quota-remaining-calls"] == "8"
+    assert answers[5].text.startswith('{"error":"Rate limit exceeded",')
+    assert answers[5].headers["x-quota-remaining-calls"] == "8"
+    # The refused calls counted nothing: 2 + 2 of acme~k and acme~c, 1 of the stream.
+    raw = server.client()
+    assert [raw.hget(f"qag:quota:acme~{key}", "calls") for key in "kcs"] == [b"2", b"2", b"1"]
+    gateway.stop()
+
+    # The quota's own refusal.
+    flags = ["--key-limit", "100/3600", "--quota-calls", "2", "--quota-per", "day"]
+    gateway = start_gateway(server, *flags)
+    answers = [httpx.get(gateway.url("key=acme~q"), timeout=10) for _ in range(3)]
+    assert answers[2].status_code == 429 and "quota_exceeded" in answers[2].text
+    for answer, refused_by in zip(answers, (None, None, "calls")):
+        check_fields(answer, 2, refused_by)
+
+
+def go_millis(text: str) -> int:
+    """A duration as Go writes it (``1m47.5s``, ``12ms``, ``0s``), in milliseconds."""
+    if text.endswith("ms"):
+        return int(text[:-2])
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:([\d.]+)s)?", text)
+    assert match is not None and text, text
+    hours, minutes, seconds = (float(part or 0) for part in match.groups())
+    return round((hours * 3600 + minutes * 60 + seconds) * 1000)
+
+
+def test_a_model_route_reports_its_window_as_openai_does(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    """Issue 35: the model route's OpenAI-style fields follow its window through a
+    reservation (the tokens it holds counted) and its commit."""
+    server = start_server()
+    gateway = start_gateway(server, "--key-limit", "100/3600", "--tpm", "1000", "--rpm", "5")
+    base = f"{gateway.base}/v1/complete?key=acme~t"
+
+    def window(response: httpx.Response) -> List[int]:
+        fields = response.headers
+        for kind in ("requests", "tokens"):
+            # What counts now has stopped counting by the end of the next window.
+            assert 0 < go_millis(fields[f"x-ratelimit-reset-{kind}"]) <= 120_000
+        names = ("limit-requests", "remaining-requests", "limit-tokens", "remaining-tokens")
+        return [int(fields[f"x-ratelimit-{name}"]) for name in names]
+
+    # 600 held while the first runs, then 500 counted.
+    first = httpx.get(f"{base}&estimate=600&tokens=500", timeout=10)
+    assert first.status_code == 200 and window(first) == [5, 4, 1000, 400]
+    second = httpx.get(f"{base}&estimate=300&tokens=300", timeout=10)
+    assert window(second) == [5, 3, 1000, 200]
+    refused = httpx.get(f"{base}&estimate=300&tokens=300", timeout=10)
+    assert refused.status_code == 429 and window(refused) == [5, 3, 1000, 200]
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+
+
+def test_a_limit_in_shadow_counts_and_refuses_no_one(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], tmp_path: Path
+) -> None:
+    """Issue 35: a limit in shadow counts as usual and refuses no one: 200 requests at
+    once over a key bucket of 60 a minute are all answered 200; the limit's counts show
+    60 allowed (and what refilled meanwhile, one a second) and the rest refused; its
+    refusals are logged once a second, not once a request."""
+    server = start_server()
+    log = tmp_path / "gateway.log"
+    gateway = start_gateway(server, "--key-limit", "60/60", "--shadow", "key", log=log)
+
+    async def at_once() -> List[httpx.Response]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            url = gateway.url("key=acme~shadow")
+            return list(await asyncio.gather(*(client.get(url) for _ in range(200))))
+
+    started = time.monotonic()
+    answers = asyncio.run(at_once())
+    elapsed = time.monotonic() - started
+    assert [answer.status_code for answer in answers] == [200] * 200
+    assert not [answer for answer in answers if "retry-after" in answer.headers]
+    said_none_left = sum(answer.headers["x-ratelimit-key-remaining"] == "0" for answer in answers)
+    counts = json.loads(httpx.get(f"{gateway.base}/limits", timeout=10).text)["key"]
+    assert counts["shadow"] is True
+    assert counts["allowed"] + counts["refused"] == 200, counts
+    refilled = math.ceil(elapsed)
+    assert 60 <= counts["allowed"] <= 60 + refilled, (counts, elapsed)
+    assert said_none_left >= counts["refused"]
+    gateway.stop()
+    lines = [line for line in log.read_text().splitlines() if "shadow: the key limit" in line]
+    assert 1 <= len(lines) <= 1 + refilled, (lines, elapsed)

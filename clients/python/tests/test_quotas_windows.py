@@ -1,14 +1,25 @@
 """Quotas and sliding windows, typed, on both limiters; module only. Quota and lease
-headers from real replies."""
+headers from real replies. A request's buckets and quota check in one round trip."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, List
 
 import pytest
 
 from conftest import Server
-from qag_client import Bucket, QagModuleRequired, QagRefused, QagServerError, Quota, Scope, headers
+from qag_client import (
+    Bucket,
+    Limiter,
+    QagModuleRequired,
+    QagRefused,
+    QagServerError,
+    Quota,
+    Scope,
+    headers,
+)
+from qag_client._driver import Send
+from qag_client._engine import Pipeline
 
 
 def test_quota_check_add_seed(
@@ -63,7 +74,7 @@ def test_quota_headers_count_the_call_itself(
         rendered.append(dict(headers(quota=check.after(usage))))
     assert [fields["x-quota-remaining-calls"] for fields in rendered] == ["2", "1", "0", "0"]
     assert ["retry-after" in fields for fields in rendered] == [False, False, False, True]
-    assert all(fields["ratelimit-policy"] == '"calls";q=3' for fields in rendered)
+    assert all(fields["ratelimit-policy"] == '"calls";q=3;qu="requests"' for fields in rendered)
 
 
 def test_a_refused_lease_renders_retry_after_one(
@@ -105,3 +116,64 @@ def test_spend_through_the_defaults_remembers_its_own_ids_seconds_not_minutes(
     assert forgotten_in("qag:quota:k") <= 12_000
     assert forgotten_in("qag:win:{k}:key") <= 12_000
     assert 290_000 <= forgotten_in("qag:quota:mine") <= 301_000
+
+
+def test_the_buckets_and_the_quota_check_share_a_round_trip(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    stop: Callable[[Server], None],
+) -> None:
+    """Issue 35: a bucket that refuses still shows the quota, read counting nothing; a
+    check that fails on its own leaves the buckets' answer standing; without the module
+    the buckets go by script; an outage is answered by the policy for both."""
+    server = start_server()
+    raw = server.client()
+    limiter = make_limiter(server)
+    client = Bucket.named("client", 1, 3600, "203.0.113.9")
+    key = Bucket.named("key", 10, 3600, "acme~r")
+    quota = Quota("day", calls=5)
+    first = limiter.take_with_quota(client, key, "qag:quota:acme~r", quota)
+    assert first.buckets_allowed and first.answered_by == "module"
+    assert first.quota is not None and first.quota.calls_remaining == 5
+    refused = limiter.take_with_quota(client, key, "qag:quota:acme~r", quota)
+    assert not refused.buckets_allowed and refused.key is None
+    assert refused.quota is not None and refused.quota.calls_remaining == 5
+    assert not raw.exists("qag:quota:acme~r")
+    raw.set("qag:quota:acme~r", "x")  # a key of another type: the check's own error
+    refused = limiter.take_with_quota(client, key, "qag:quota:acme~r", quota)
+    assert refused.client is not None and not refused.client.allowed
+    assert refused.quota is None and isinstance(refused.quota_error, QagServerError)
+    raw.delete("qag:quota:acme~r")
+    alone = limiter.take_with_quota(None, key, "qag:quota:acme~r", quota)
+    assert alone.client is None and alone.key is not None and alone.key.remaining == 8
+
+    bare = start_server(with_module=False)
+    taken = make_limiter(bare).take_with_quota(client, key, "qag:quota:acme~r", quota)
+    assert taken.client is not None and taken.client.answered_by == "script"
+    assert isinstance(taken.quota_error, QagModuleRequired)
+
+    local = make_limiter(server, on_unavailable="local")
+    stop(server)
+    taken = local.take_with_quota(None, key, "qag:quota:acme~l", quota)
+    assert taken.key is not None and taken.key.answered_by == "local"
+    assert taken.quota is not None and taken.quota.answered_by == "local"
+
+
+def test_one_round_trip_for_both(start_server: Callable[..., Server]) -> None:
+    server = start_server()
+    limiter = Limiter(server.client())
+    sent: List[Any] = []
+    perform = limiter._perform
+
+    def counted(effect: Any, stop: Any = None) -> Any:
+        if isinstance(effect, Send) and not getattr(effect.request, "probe", False):
+            sent.append(effect.request)
+        return perform(effect, stop)
+
+    limiter._perform = counted  # type: ignore[method-assign]
+    client = Bucket.named("client", 20, 1, "203.0.113.9")
+    key = Bucket.named("key", 100, 60, "acme~one")
+    limiter.take_with_quota(client, key, "qag:quota:acme~one", Quota("day", calls=5))
+    assert len(sent) == 1 and isinstance(sent[0], Pipeline), sent
+    assert [command.words[0] for command in sent[0].commands] == ["QAG.TAKE2", "QAG.QUOTA"]
+    limiter.close()

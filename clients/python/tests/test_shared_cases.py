@@ -10,7 +10,15 @@ from typing import Optional
 import pytest
 
 from conftest import REPOSITORY
-from qag_client import Decision, QagRefused, QuotaDecision, QuotaUsage, bucket_key, headers
+from qag_client import (
+    Admission,
+    Decision,
+    QagRefused,
+    QuotaDecision,
+    QuotaUsage,
+    bucket_key,
+    headers,
+)
 from qag_client.answers import Refusal
 from qag_client.local import LocalBuckets
 
@@ -40,13 +48,21 @@ def test_header_fields(case: dict) -> None:
         quota = quota.after(QuotaUsage(**case["quota_usage"]))
     lease = case.get("lease")
     refused = None if lease is None else QagRefused(lease["live"], lease["retry_after"])
+    slots = case.get("slots")
+    window = case.get("window")
+    chain = None
+    if window is not None:
+        chain = ([tuple(scope) for scope in window["scopes"]], Admission(**window["admission"]))
     fields = headers(
         _bucket(case["client"]),
         _bucket(case["key"]),
         quota,
         refused,
-        now=case["now"],
+        now=case["now_ms"] / 1000 if "now_ms" in case else case["now"],
         draft=case.get("draft", True),
+        slots=None if slots is None else (slots["max"], slots["live"]),
+        chain=chain,
+        window=None if window is None else window["seconds"],
     )
     assert [list(pair) for pair in fields] == case["headers"]
     for name, _ in fields:

@@ -5,13 +5,19 @@
 //! cargo run --release -p qag-client --features tower --example axum_gateway -- \
 //!   --redis redis://127.0.0.1:6379/ --listen 127.0.0.1:8080 [--client-limit 20/1] \
 //!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000 --quota-per month \
-//!   --quota-tz Europe/Berlin] [--tpm 100000] [--policy raise|forward|local] [--back-off 5]
+//!   --quota-tz Europe/Berlin] [--tpm 100000 [--rpm 60]] [--shadow key,quota,...] \
+//!   [--policy raise|forward|local] [--back-off 5]
 //!
 //! GET /v1/query?key=K[&work_ms=N][&chunks=N][&reserve=T][&tokens=A]: a small JSON body
 //! after work_ms, or a body streamed in `chunks` pieces over work_ms. With `--tpm`, the
-//! key's `qag:win:{K}:tokens` holds `reserve` tokens (default 1000) for the request and
-//! is charged `tokens` (default `reserve`) in the end, in parts while it streams; a
-//! request cancelled before its end commits what it charged, releasing its hold.
+//! key's `qag:win:{K}:tokens` (`--rpm` requests and `--tpm` tokens a minute) holds
+//! `reserve` tokens (default 1000) for the request and is charged `tokens` (default
+//! `reserve`) in the end, in parts while it streams; a request cancelled before its end
+//! commits what it charged, releasing its hold. Its responses carry the window's
+//! OpenAI-style `x-ratelimit-*-requests` and `-tokens` fields.
+//!
+//! GET /limits (not limited): how each limit answered, `{"key":{"allowed":N,
+//! "refused":N,"shadow":false},...}`: the numbers to watch for a limit in `--shadow`.
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -22,14 +28,15 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Router};
-use qag_client::tower::{Admitted, KeyLimits, RateLimitLayer};
-use qag_client::{Limiter, OnUnavailable, Options, Per, Quota, Reservation, Scope};
+use qag_client::tower::{Admitted, KeyLimits, LimitName, RateLimitLayer};
+use qag_client::{Headers, Limiter, OnUnavailable, Options, Per, Quota, Reservation, Scope};
 use redis::aio::ConnectionManager;
 
-/// The handler's own limits: the key's tokens per minute, if any.
+/// The handler's own limits: the key's requests and tokens per minute, if any.
 #[derive(Clone)]
 struct Models {
     limiter: Limiter<ConnectionManager>,
+    rpm: u64,
     tpm: Option<u64>,
 }
 
@@ -42,22 +49,27 @@ async fn query(
     let wait = Duration::from_millis(number("work_ms").unwrap_or(0));
     let estimate = number("reserve").unwrap_or(1000);
     let used = number("tokens").unwrap_or(estimate);
-    let reservation = match (models.tpm, &admitted.api_key) {
+    let (reservation, window) = match (models.tpm, &admitted.api_key) {
         (Some(tpm), Some(key)) => {
-            let scope = Scope {
+            let scopes = [Scope {
                 key: format!("qag:win:{{{key}}}:tokens"),
-                rpm: 0,
+                rpm: models.rpm,
                 tpm,
-            };
+            }];
             // Its own request id (the default): never the caller's x-request-id, which
             // would let a caller replay an admission uncharged.
-            match models.limiter.reserve(&[scope], estimate, None, None).await {
-                Ok(reservation) if reservation.admitted() => Some(reservation),
-                Ok(refused) => {
-                    let retry = refused.admission().retry_after.seconds().unwrap_or(60);
-                    let body = r#"{"error":"Token limit exceeded for this API key","code":"rate_limited"}"#;
-                    let headers = [("retry-after", retry.max(1).to_string())];
-                    return (StatusCode::TOO_MANY_REQUESTS, headers, body).into_response();
+            match models.limiter.reserve(&scopes, estimate, None, None).await {
+                Ok(reservation) => {
+                    // The fields a model API's callers read: its tightest limits now,
+                    // the tokens this request holds counted.
+                    let admission = reservation.admission();
+                    let window = Headers::new().window(&scopes, &admission, None);
+                    let window = window.header_map();
+                    if !reservation.admitted() {
+                        let body = r#"{"error":"Token limit exceeded for this API key","code":"rate_limited"}"#;
+                        return (StatusCode::TOO_MANY_REQUESTS, window, body).into_response();
+                    }
+                    (Some(reservation), window)
                 }
                 Err(error) => {
                     let body = format!(r#"{{"error":"Rate limiting is unavailable: {error}"}}"#);
@@ -65,15 +77,15 @@ async fn query(
                 }
             }
         }
-        _ => None,
+        _ => (None, Default::default()),
     };
     let Some(chunks) = number("chunks").filter(|n| *n > 0) else {
         tokio::time::sleep(wait).await; // the model call; a cancel drops the reservation
         if let Some(reservation) = reservation {
             commit(reservation, used).await;
         }
-        return Body::from(format!("{{\"request_id\":\"{}\"}}", admitted.request_id))
-            .into_response();
+        let body = format!("{{\"request_id\":\"{}\"}}", admitted.request_id);
+        return (window, body).into_response();
     };
     let state = (0, reservation);
     let pieces = futures_util::stream::unfold(state, move |(sent, mut reservation)| async move {
@@ -91,7 +103,7 @@ async fn query(
         let piece = Ok::<_, std::io::Error>(format!("row {sent}\n"));
         Some((piece, (sent + 1, reservation)))
     });
-    Body::from_stream(pieces).into_response()
+    (window, Body::from_stream(pieces)).into_response()
 }
 
 /// The response's actual count; a commit that fails goes on in the background.
@@ -101,10 +113,31 @@ async fn commit(reservation: Reservation<ConnectionManager>, used: u64) {
     }
 }
 
+/// How each limit answered, as JSON.
+fn limit_counts(layer: &RateLimitLayer<ConnectionManager>) -> String {
+    let counts: Vec<String> = LimitName::ALL
+        .iter()
+        .map(|&limit| {
+            let counts = layer.limit_counts(limit);
+            format!(
+                r#""{}":{{"allowed":{},"refused":{},"shadow":{}}}"#,
+                limit.as_str(),
+                counts.allowed,
+                counts.refused,
+                counts.shadow
+            )
+        })
+        .collect();
+    format!("{{{}}}", counts.join(","))
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse(std::env::args().skip(1))?;
-    // The limiter set-up: a policy for outages, the limits, where address and key come from.
+    // The layer logs through `log` (503s, limits in shadow): warnings to standard error.
+    env_logger::Builder::new()
+        .filter_level(log::LevelFilter::Warn)
+        .init();
     let options = Options {
         on_unavailable: args.policy,
         back_off: args.back_off,
@@ -113,6 +146,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let limiter = Limiter::connect(&args.redis, options).await?;
     let models = Models {
         limiter: limiter.clone(),
+        rpm: args.rpm,
         tpm: args.tpm,
     };
     let mut limits = RateLimitLayer::new(limiter)
@@ -133,10 +167,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some((count, period)) = args.client_limit {
         limits = limits.client_bucket(count, period);
     }
+    for &limit in &args.shadow {
+        limits = limits.shadow(limit);
+    }
+    let watched = limits.clone();
     let app = Router::new()
         .route("/v1/query", get(query))
         .with_state(models)
-        .layer(limits);
+        .layer(limits)
+        // Added after the layer: not limited.
+        .route(
+            "/limits",
+            get(move || async move { limit_counts(&watched) }),
+        );
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!("listening on {}", listener.local_addr()?);
     let service = app.into_make_service_with_connect_info::<SocketAddr>();
@@ -152,7 +195,9 @@ struct Args {
     key_limit: Option<(u64, f64)>,
     max_concurrent: Option<u64>,
     quota: Option<Quota>,
+    rpm: u64,
     tpm: Option<u64>,
+    shadow: Vec<LimitName>,
     policy: OnUnavailable,
     back_off: Duration,
 }
@@ -166,7 +211,9 @@ impl Args {
             key_limit: None,
             max_concurrent: None,
             quota: None,
+            rpm: 0,
             tpm: None,
+            shadow: Vec::new(),
             policy: OnUnavailable::Raise,
             back_off: Options::default().back_off,
         };
@@ -180,7 +227,15 @@ impl Args {
                 "--client-limit" => args.client_limit = Some(rate(&value)?),
                 "--key-limit" => args.key_limit = Some(rate(&value)?),
                 "--max-concurrent" => args.max_concurrent = Some(number("--max-concurrent")?),
+                "--rpm" => args.rpm = number("--rpm")?,
                 "--tpm" => args.tpm = Some(number("--tpm")?),
+                "--shadow" => {
+                    for name in value.split(',') {
+                        let limit = LimitName::ALL.into_iter().find(|l| l.as_str() == name);
+                        args.shadow
+                            .push(limit.ok_or(format!("--shadow: no limit {name}"))?);
+                    }
+                }
                 "--back-off" => {
                     let seconds = value
                         .parse::<f64>()

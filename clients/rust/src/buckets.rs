@@ -5,15 +5,18 @@ use std::time::Instant;
 
 use qag_core::bucket::{self, Limit, TakeArgs};
 use redis::aio::ConnectionLike;
-use redis::{cmd, Cmd};
+use redis::{cmd, Cmd, RedisError, RedisResult, ServerErrorKind, Value};
 
 use crate::cluster::slot_of;
-use crate::decision::{AnsweredBy, Decision, PairDecision, Refunded, RetryAfter};
-use crate::error::Error;
+use crate::decision::{
+    AnsweredBy, Decision, PairDecision, Quota, Refunded, RetryAfter, TakenWithQuota,
+};
+use crate::error::{classify, Error, Failure};
 use crate::limiter::{check, failure_error, unix_micros, Answer, Instead, Limiter, Path};
 use crate::local::{share_of, LocalBuckets};
 use crate::mutex::lock;
 use crate::naming::Bucket;
+use crate::quotas::QuotaCheck;
 use crate::CrossSlot;
 
 impl Answer for Decision {
@@ -31,6 +34,14 @@ impl Answer for Refunded {
 impl Answer for PairDecision {
     fn answered_by(&self) -> Option<AnsweredBy> {
         Some(self.client.answered_by)
+    }
+}
+
+impl Answer for TakenWithQuota {
+    fn answered_by(&self) -> Option<AnsweredBy> {
+        self.client
+            .or(self.key)
+            .map(|decision| decision.answered_by)
     }
 }
 
@@ -126,6 +137,45 @@ impl BucketCall {
         push_id(&mut command, id);
         command
     }
+}
+
+/// QAG.TAKE2 on both buckets, with the caller's id as its last option if it has one.
+fn pair_command(client: &BucketCall, key: &BucketCall, id: Option<&str>) -> Cmd {
+    let mut command = cmd("QAG.TAKE2");
+    command
+        .arg(&client.key)
+        .arg(client.count)
+        .arg(&client.period_text)
+        .arg(&key.key)
+        .arg(key.count)
+        .arg(&key.period_text);
+    push_cost(&mut command, client.cost);
+    push_id(&mut command, id);
+    command
+}
+
+/// A pipeline's replies with an error reply kept in its place, but READONLY returned as
+/// the round trip's error (a demoted primary ran nothing: the round trip is sent again,
+/// as a single command's is).
+fn read_only_surfaced(replies: RedisResult<Vec<Value>>) -> RedisResult<Vec<Value>> {
+    let replies = replies?;
+    for reply in &replies {
+        if let Value::ServerError(error) = reply {
+            if error.kind() == Some(ServerErrorKind::ReadOnly) {
+                return Err(RedisError::from(error.clone()));
+            }
+        }
+    }
+    Ok(replies)
+}
+
+/// One reply of a pipeline as `T`, or the error it is.
+fn pipelined<T: redis::FromRedisValue>(reply: Value) -> Result<T, Failure> {
+    if let Value::ServerError(error) = reply {
+        return Err(classify(&RedisError::from(error)));
+    }
+    redis::from_redis_value(reply)
+        .map_err(|error| Failure::Error(Error::Server(error.to_string().into())))
 }
 
 /// A number as the module and the script read it back: the shortest exact decimal.
@@ -236,6 +286,180 @@ where
             },
         )
         .await
+    }
+
+    /// A request's buckets (the client's and the key's, either or both: QAG.TAKE2, or
+    /// QAG.TAKE for one) and its quota's check (QAG.QUOTA, which counts nothing), sent
+    /// together in one round trip where they can share one: the module on a single
+    /// server, or every key in one cluster slot. Otherwise (no module: the script; keys
+    /// of several slots) the buckets are taken, then the quota read. Either way the
+    /// quota is read even when a bucket refused, so a refusal can show what is left of
+    /// the quota; a refused call is never counted in it (that is QAG.QUOTA.ADD's, after
+    /// the call). An outage of the round trip is answered by the policy for both; a
+    /// check that fails on its own (an error reply, or its own round trip failing) is
+    /// [`TakenWithQuota::quota`]'s error, the buckets' decisions standing.
+    pub async fn take_with_quota(
+        &self,
+        client: Option<&Bucket>,
+        key: Option<&Bucket>,
+        cost: u64,
+        quota_key: &str,
+        quota: &Quota,
+    ) -> Result<TakenWithQuota, Error> {
+        let started = Instant::now();
+        let check = QuotaCheck::new(quota_key, quota)?;
+        let buckets: Vec<&Bucket> = client.into_iter().chain(key).collect();
+        if buckets.is_empty() {
+            let quota = self.quota_check(quota_key, quota).await?;
+            return Ok(TakenWithQuota {
+                client: None,
+                key: None,
+                quota: Ok(quota),
+            });
+        }
+        let slot = slot_of(quota_key.as_bytes());
+        let one_slot = buckets
+            .iter()
+            .all(|bucket| slot_of(bucket.key().as_bytes()) == slot);
+        if !one_slot && self.on_cluster().await {
+            let (client, key) = match (client, key) {
+                (Some(client), Some(key)) => {
+                    let pair = self.take_pair(client, key, cost).await?;
+                    (Some(pair.client), pair.key)
+                }
+                (Some(client), None) => (Some(self.take(client, cost).await?), None),
+                (None, Some(key)) => (None, Some(self.take(key, cost).await?)),
+                (None, None) => (None, None),
+            };
+            let quota = self.quota_check(quota_key, quota).await;
+            return Ok(TakenWithQuota { client, key, quota });
+        }
+        let mut keys: Vec<&str> = buckets.iter().map(|bucket| bucket.key()).collect();
+        keys.push(quota_key);
+        let this = &self.for_keys_from(&keys, started).await?;
+        let client = client
+            .map(|bucket| BucketCall::new(bucket, cost))
+            .transpose()?;
+        let key = key
+            .map(|bucket| BucketCall::new(bucket, cost))
+            .transpose()?;
+        let remote = this.take_with_quota_remote(client.as_ref(), key.as_ref(), &check);
+        this.run(remote, |instead| {
+            Some(match instead {
+                Instead::Forward => TakenWithQuota {
+                    client: client.as_ref().map(BucketCall::forwarded),
+                    key: key.as_ref().map(BucketCall::forwarded),
+                    quota: Ok(check.instead(Instead::Forward)),
+                },
+                Instead::Local {
+                    state,
+                    now_micros,
+                    share,
+                } => {
+                    let now = seconds(now_micros);
+                    let buckets = &mut state.buckets;
+                    let client = client
+                        .as_ref()
+                        .map(|call| call.take_locally(buckets, share, now));
+                    let key = match client {
+                        Some(refused) if !refused.allowed => None,
+                        _ => key
+                            .as_ref()
+                            .map(|call| call.take_locally(buckets, share, now)),
+                    };
+                    let quota = check.instead(Instead::Local {
+                        state,
+                        now_micros,
+                        share,
+                    });
+                    TakenWithQuota {
+                        client,
+                        key,
+                        quota: Ok(quota),
+                    }
+                }
+            })
+        })
+        .await
+    }
+
+    async fn take_with_quota_remote(
+        &self,
+        client: Option<&BucketCall>,
+        key: Option<&BucketCall>,
+        check: &QuotaCheck<'_>,
+    ) -> Result<TakenWithQuota, Error> {
+        let id = self.request_id();
+        let take = match (client, key) {
+            (Some(client), Some(key)) => pair_command(client, key, id),
+            (Some(call), None) | (None, Some(call)) => call.take_command(id),
+            (None, None) => {
+                let quota = self.quota_check_remote(check).await?;
+                return Ok(TakenWithQuota {
+                    client: None,
+                    key: None,
+                    quota: Ok(quota),
+                });
+            }
+        };
+        if self.path().await? == Path::Module {
+            let mut pipe = redis::pipe();
+            pipe.add_command(take)
+                .add_command(check.command())
+                .ignore_errors();
+            let pipe = &pipe;
+            // Replayed as an admission and a read are.
+            let mut replies = self
+                .replayed(|mut con| async move {
+                    read_only_surfaced(pipe.query_async::<Vec<Value>>(&mut con).await)
+                })
+                .await
+                .map_err(failure_error)?
+                .into_iter();
+            let (Some(taken), Some(quota)) = (replies.next(), replies.next()) else {
+                return Err(Error::Server("a pipeline of two replies, got fewer".into()));
+            };
+            let decided = match (client, key) {
+                (Some(client), Some(key)) => pipelined(taken).and_then(|reply| {
+                    let pair = self.pair_decided(client, key, reply);
+                    let pair = pair.map_err(Failure::Error)?;
+                    Ok((Some(pair.client), pair.key))
+                }),
+                (Some(call), None) | (None, Some(call)) => {
+                    pipelined::<Vec<i64>>(taken).and_then(|reply| {
+                        let decision = self.decided(call, &reply, AnsweredBy::Module);
+                        let decision = Some(decision.map_err(Failure::Error)?);
+                        Ok(match client {
+                            Some(_) => (decision, None),
+                            None => (None, decision),
+                        })
+                    })
+                }
+                (None, None) => Ok((None, None)),
+            };
+            match decided {
+                Ok((client, key)) => {
+                    let quota = pipelined(quota)
+                        .map_err(failure_error)
+                        .and_then(|reply| self.quota_checked(check, reply));
+                    return Ok(TakenWithQuota { client, key, quota });
+                }
+                // The module is gone from this server: nothing ran; the script takes.
+                Err(failure) => self.module_failed(failure)?,
+            }
+        }
+        let (client, key) = match (client, key) {
+            (Some(client), Some(key)) => {
+                let pair = self.take_pair_remote(client, key, id).await?;
+                (Some(pair.client), pair.key)
+            }
+            (Some(client), None) => (Some(self.take_remote(client, id).await?), None),
+            (None, Some(key)) => (None, Some(self.take_remote(key, id).await?)),
+            (None, None) => (None, None),
+        };
+        // Its own round trip: what it meets is the check's, the buckets' answers stand.
+        let quota = self.quota_check_remote(check).await;
+        Ok(TakenWithQuota { client, key, quota })
     }
 
     /// A pair across slots in two calls: the client bucket, then, if it allowed, the
@@ -397,29 +621,12 @@ where
         id: Option<&str>,
     ) -> Result<PairDecision, Error> {
         if self.path().await? == Path::Module {
-            let mut command = cmd("QAG.TAKE2");
-            command
-                .arg(&client.key)
-                .arg(client.count)
-                .arg(&client.period_text)
-                .arg(&key.key)
-                .arg(key.count)
-                .arg(&key.period_text);
-            push_cost(&mut command, client.cost);
-            push_id(&mut command, id);
+            let command = pair_command(client, key, id);
             match self
                 .query_replayable::<(Vec<i64>, Option<Vec<i64>>)>(&command)
                 .await
             {
-                Ok((client_reply, key_reply)) => {
-                    let key_decision = key_reply
-                        .map(|reply| self.decided(key, &reply, AnsweredBy::Module))
-                        .transpose()?;
-                    return Ok(PairDecision {
-                        client: self.decided(client, &client_reply, AnsweredBy::Module)?,
-                        key: key_decision,
-                    });
-                }
+                Ok(reply) => return self.pair_decided(client, key, reply),
                 Err(failure) => self.module_failed(failure)?,
             }
         }
@@ -481,6 +688,22 @@ where
             .await
             .map_err(failure_error)?;
         self.decided(call, &reply, AnsweredBy::Script)
+    }
+
+    /// QAG.TAKE2's reply as both decisions (the key's None when it was not counted).
+    fn pair_decided(
+        &self,
+        client: &BucketCall,
+        key: &BucketCall,
+        (client_reply, key_reply): (Vec<i64>, Option<Vec<i64>>),
+    ) -> Result<PairDecision, Error> {
+        let key_decision = key_reply
+            .map(|reply| self.decided(key, &reply, AnsweredBy::Module))
+            .transpose()?;
+        Ok(PairDecision {
+            client: self.decided(client, &client_reply, AnsweredBy::Module)?,
+            key: key_decision,
+        })
     }
 
     /// A bucket's decision from Redis's reply, noted as Redis's last word on it, where

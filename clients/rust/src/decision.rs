@@ -169,6 +169,30 @@ impl PairDecision {
     }
 }
 
+/// A request's buckets and its quota's check, asked together
+/// ([`Limiter::take_with_quota`](crate::Limiter::take_with_quota)).
+#[derive(Debug)]
+pub struct TakenWithQuota {
+    /// The client's bucket, if one was given.
+    pub client: Option<Decision>,
+    /// The key's bucket, if one was given and counted (None when the client's refused).
+    pub key: Option<Decision>,
+    /// The quota's check (it counts nothing), or the error it met: a request a bucket
+    /// refused is answered by that refusal whatever the check says, so the check's
+    /// failure never turns it into another answer.
+    pub quota: Result<QuotaDecision, crate::Error>,
+}
+
+impl TakenWithQuota {
+    /// Whether both buckets allowed (the quota is the caller's to read).
+    pub fn buckets_allowed(&self) -> bool {
+        [self.client, self.key]
+            .iter()
+            .flatten()
+            .all(|decision| decision.allowed)
+    }
+}
+
 /// A quota's period: a calendar day or month in a time zone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Per {

@@ -66,6 +66,8 @@ where
     renewed: Arc<Renewals>,
     lost: watch::Receiver<bool>,
     released: bool,
+    /// The key's live leases when this one was taken, this one included.
+    live: u64,
 }
 
 impl<C> std::fmt::Debug for LeaseGuard<C>
@@ -118,7 +120,19 @@ where
             renewed,
             lost,
             released: false,
+            live: 0,
         }
+    }
+
+    fn taken_among(mut self, live: u64) -> Self {
+        self.live = live;
+        self
+    }
+
+    /// The key's live leases when this one was taken, this one included (0 for a slot
+    /// the `Forward` policy answered: nothing was counted).
+    pub fn live(&self) -> u64 {
+        self.live
     }
 
     pub fn key(&self) -> &str {
@@ -379,13 +393,10 @@ where
                     .saw(key, live.max(0) as u64, ttl_ms, now);
             }
             match *reply {
-                [1, _, _] => Ok(Lease::Held(LeaseGuard::new(
-                    this,
-                    key,
-                    id,
-                    ttl,
-                    AnsweredBy::Module,
-                ))),
+                [1, live, _] => Ok(Lease::Held(
+                    LeaseGuard::new(this, key, id, ttl, AnsweredBy::Module)
+                        .taken_among(live.max(0) as u64),
+                )),
                 [0, live, retry] => Ok(Lease::Refused(LeaseRefusal {
                     live: live.max(0) as u64,
                     retry_after: RetryAfter::Seconds(retry.max(0) as u64),
@@ -413,7 +424,11 @@ where
                             .acquire(key, id, share_of(max, share), share, now)
                         {
                             Ok(()) => {
-                                Lease::Held(LeaseGuard::new(this, key, id, ttl, AnsweredBy::Local))
+                                let live = state.leases.live(key, share, now);
+                                Lease::Held(
+                                    LeaseGuard::new(this, key, id, ttl, AnsweredBy::Local)
+                                        .taken_among(live),
+                                )
                             }
                             Err(live) => Lease::Refused(LeaseRefusal {
                                 live,

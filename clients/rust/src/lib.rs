@@ -32,7 +32,7 @@ mod windows;
 
 pub use decision::{
     Admission, AnsweredBy, Decision, LeaseRefusal, PairDecision, Per, Quota, QuotaDecision,
-    QuotaUsage, Recorded, Refunded, RetryAfter, Scope, Side,
+    QuotaUsage, Recorded, Refunded, RetryAfter, Scope, Side, TakenWithQuota,
 };
 pub use error::{Error, Reason};
 pub use headers::Headers;

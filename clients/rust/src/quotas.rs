@@ -43,13 +43,17 @@ fn as_count(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
-impl<C> Limiter<C>
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    /// The check before a call: whether `quota` allows one more. Module only.
-    pub async fn quota_check(&self, key: &str, quota: &Quota) -> Result<QuotaDecision, Error> {
-        let this = &self.for_keys(&[key]).await?;
+/// A quota's check (QAG.QUOTA, which counts nothing), its words checked by the module's
+/// own parser, and what the policy answers for it.
+pub(crate) struct QuotaCheck<'a> {
+    key: &'a str,
+    quota: &'a Quota,
+    words: Vec<String>,
+    args: QuotaArgs,
+}
+
+impl<'a> QuotaCheck<'a> {
+    pub(crate) fn new(key: &'a str, quota: &'a Quota) -> Result<QuotaCheck<'a>, Error> {
         let mut words = quota_words("QAG.QUOTA", key, quota);
         for (name, limit) in [("CALLS", quota.calls), ("ROWS", quota.rows)] {
             if let Some(limit) = limit {
@@ -57,53 +61,97 @@ where
             }
         }
         let args = check(|words| quota::parse_quota(words, true), &words)?;
-        let remote = async {
-            let reply: Vec<Option<i64>> = this.module_call_replayable(&command(&words)).await?;
-            let decision = QuotaDecision::from_reply(&reply, quota)
-                .map_err(|why| Error::Server(why.into()))?;
-            let used = |limit: Option<u64>, left: Option<u64>| {
-                Some(as_count(limit?.saturating_sub(left?)))
-            };
-            lock(&this.node.local).quotas.saw(
-                key,
-                used(decision.calls_limit, decision.calls_remaining),
-                used(decision.rows_limit, decision.rows_remaining),
-                decision.resets_at,
-                unix_micros() / 1_000_000,
-            );
-            Ok(decision)
-        };
-        this.run(remote, |instead| {
-            Some(match instead {
-                Instead::Forward => QuotaDecision {
-                    allowed: true,
+        Ok(QuotaCheck {
+            key,
+            quota,
+            words,
+            args,
+        })
+    }
+
+    pub(crate) fn command(&self) -> redis::Cmd {
+        command(&self.words)
+    }
+
+    /// The check when Redis is left alone: allowed with nothing known (forwarded), or
+    /// from this process's counts (local).
+    pub(crate) fn instead(&self, instead: Instead<'_>) -> QuotaDecision {
+        let quota = self.quota;
+        match instead {
+            Instead::Forward => QuotaDecision {
+                allowed: true,
+                calls_limit: quota.calls,
+                calls_remaining: None,
+                rows_limit: quota.rows,
+                rows_remaining: None,
+                resets_at: period_end(&self.args, unix_micros()),
+                answered_by: AnsweredBy::Forwarded,
+            },
+            Instead::Local {
+                state,
+                now_micros,
+                share,
+            } => {
+                let resets_at = period_end(&self.args, now_micros);
+                let local = state
+                    .quotas
+                    .check(self.key, self.args.limits(), resets_at, share);
+                QuotaDecision {
+                    allowed: local.allowed,
                     calls_limit: quota.calls,
-                    calls_remaining: None,
+                    calls_remaining: local.calls_remaining,
                     rows_limit: quota.rows,
-                    rows_remaining: None,
-                    resets_at: period_end(&args, unix_micros()),
-                    answered_by: AnsweredBy::Forwarded,
-                },
-                Instead::Local {
-                    state,
-                    now_micros,
-                    share,
-                } => {
-                    let resets_at = period_end(&args, now_micros);
-                    let local = state.quotas.check(key, args.limits(), resets_at, share);
-                    QuotaDecision {
-                        allowed: local.allowed,
-                        calls_limit: quota.calls,
-                        calls_remaining: local.calls_remaining,
-                        rows_limit: quota.rows,
-                        rows_remaining: local.rows_remaining,
-                        resets_at,
-                        answered_by: AnsweredBy::Local,
-                    }
+                    rows_remaining: local.rows_remaining,
+                    resets_at,
+                    answered_by: AnsweredBy::Local,
                 }
-            })
+            }
+        }
+    }
+}
+
+impl<C> Limiter<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// The check before a call: whether `quota` allows one more. Module only.
+    pub async fn quota_check(&self, key: &str, quota: &Quota) -> Result<QuotaDecision, Error> {
+        let this = &self.for_keys(&[key]).await?;
+        let check = QuotaCheck::new(key, quota)?;
+        this.run(this.quota_check_remote(&check), |instead| {
+            Some(check.instead(instead))
         })
         .await
+    }
+
+    /// The check's call to Redis.
+    pub(crate) async fn quota_check_remote(
+        &self,
+        check: &QuotaCheck<'_>,
+    ) -> Result<QuotaDecision, Error> {
+        let reply = self.module_call_replayable(&check.command()).await?;
+        self.quota_checked(check, reply)
+    }
+
+    /// QAG.QUOTA's reply as a decision, noted as Redis's last word on the quota (where
+    /// local counting would begin).
+    pub(crate) fn quota_checked(
+        &self,
+        check: &QuotaCheck<'_>,
+        reply: Vec<Option<i64>>,
+    ) -> Result<QuotaDecision, Error> {
+        let decision = QuotaDecision::from_reply(&reply, check.quota)
+            .map_err(|why| Error::Server(why.into()))?;
+        let used =
+            |limit: Option<u64>, left: Option<u64>| Some(as_count(limit?.saturating_sub(left?)));
+        lock(&self.node.local).quotas.saw(
+            check.key,
+            used(decision.calls_limit, decision.calls_remaining),
+            used(decision.rows_limit, decision.rows_remaining),
+            decision.resets_at,
+            unix_micros() / 1_000_000,
+        );
+        Ok(decision)
     }
 
     /// The count after a call: adds `calls` and `rows` to `quota`'s current period.

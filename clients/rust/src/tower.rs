@@ -8,13 +8,19 @@
 //! 3. the key's quota: 429 `quota_exceeded`, naming what ran out and when it resets;
 //! 4. the key's concurrency slot: 429 `too_many_concurrent` with `retry-after: 1`.
 //!
-//! A later refusal gives back what earlier steps took (QAG.REFUND), so a request
-//! refused by its quota or its slot costs no tokens. An admitted request holds its slot
-//! until the response body's last byte (a stream keeps it while it streams) and frees
-//! it when the body is dropped early (a client that went away); its call is added to
-//! the quota when the handler has answered, with the rows it reported through
-//! [`ReportRows`]. Every response to a limited caller carries the headers of what was
-//! counted; the handler finds the decisions in the [`Admitted`] extension.
+//! The buckets and the quota's check go in one round trip where they can share one
+//! ([`Limiter::take_with_quota`]), so a bucket's refusal shows the quota too. A later
+//! refusal gives back what earlier steps took (QAG.REFUND), so a request refused by its
+//! quota or its slot costs no tokens. An admitted request holds its slot until the
+//! response body's last byte (a stream keeps it while it streams) and frees it when the
+//! body is dropped early (a client that went away); its call is added to the quota when
+//! the handler has answered, with the rows it reported through [`ReportRows`]. Every
+//! response to a limited caller carries the headers of what was counted; the handler
+//! finds the decisions in the [`Admitted`] extension.
+//!
+//! A limit in shadow ([`RateLimitLayer::shadow`]) is asked and counted as usual, but
+//! its refusals are let through: logged (a line a second at most) and counted in
+//! [`RateLimitLayer::limit_counts`], never answered 429.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -30,7 +36,7 @@ use http_body::{Body, Frame, SizeHint};
 use redis::aio::ConnectionLike;
 
 use crate::answers::Refusal;
-use crate::decision::{AnsweredBy, Decision, PairDecision, Quota, QuotaDecision};
+use crate::decision::{AnsweredBy, Decision, LeaseRefusal, Quota, QuotaDecision};
 use crate::error::Error;
 use crate::headers::Headers;
 use crate::ids::new_request_id;
@@ -42,6 +48,61 @@ use crate::policy::LogEvery;
 
 type Extract = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type LimitsOf = dyn Fn(&str) -> KeyLimits + Send + Sync;
+
+/// The limits the layer asks, in the order it asks them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LimitName {
+    /// The caller's address's bucket.
+    Client,
+    /// The API key's bucket.
+    Key,
+    /// The key's quota.
+    Quota,
+    /// The key's concurrency slots.
+    Concurrency,
+}
+
+impl LimitName {
+    pub const ALL: [LimitName; 4] = [
+        LimitName::Client,
+        LimitName::Key,
+        LimitName::Quota,
+        LimitName::Concurrency,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LimitName::Client => "client",
+            LimitName::Key => "key",
+            LimitName::Quota => "quota",
+            LimitName::Concurrency => "concurrency",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// How a limit answered the layer since it was made (decisions the `Forward` policy
+/// answered counted nothing and are left out): `refused` counts, for a limit in shadow,
+/// the refusals it let through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimitCounts {
+    pub allowed: u64,
+    pub refused: u64,
+    pub shadow: bool,
+}
+
+/// One limit's counts and, in shadow, the pace of its log lines.
+#[derive(Default)]
+struct LimitState {
+    shadow: bool,
+    allowed: AtomicU64,
+    refused: AtomicU64,
+    /// Refusals let through in shadow: one line a second.
+    shadow_log: Mutex<LogEvery>,
+}
 
 /// A key's own limits (ADR 0011: keys have their own); None where it has none of that
 /// kind.
@@ -63,6 +124,8 @@ struct Config {
     draft_headers: bool,
     /// Requests answered 503 because a limit could not be asked: one line a second.
     unavailable_log: Mutex<LogEvery>,
+    /// By [`LimitName::index`].
+    limits: [LimitState; 4],
 }
 
 /// The layer: configure it once, `.layer(...)` it onto a router or service.
@@ -103,6 +166,7 @@ where
                 lease_ttl: Duration::from_secs(30),
                 draft_headers: true,
                 unavailable_log: Mutex::default(),
+                limits: Default::default(),
             }),
         }
     }
@@ -171,6 +235,25 @@ where
     /// Leaves out the draft's `ratelimit-policy` and `ratelimit` fields.
     pub fn without_draft_headers(self) -> Self {
         self.with(|config| config.draft_headers = false)
+    }
+
+    /// Puts a limit in shadow, to try it on live traffic before it refuses anyone: it is
+    /// asked and counted as usual and its headers are sent, but a request it refuses is
+    /// let through, logged (`log::warn!`, target `qag_client`, a line a second at most
+    /// with how many it left out) and counted in [`limit_counts`](Self::limit_counts).
+    pub fn shadow(self, limit: LimitName) -> Self {
+        self.with(|config| config.limits[limit.index()].shadow = true)
+    }
+
+    /// How `limit` answered since the layer was made: for metrics, and to watch a limit
+    /// in shadow before enforcing it.
+    pub fn limit_counts(&self, limit: LimitName) -> LimitCounts {
+        let state = &self.config.limits[limit.index()];
+        LimitCounts {
+            allowed: state.allowed.load(Ordering::Relaxed),
+            refused: state.refused.load(Ordering::Relaxed),
+            shadow: state.shadow,
+        }
     }
 }
 
@@ -294,6 +377,13 @@ where
     client: Option<Decision>,
     key: Option<Decision>,
     quota: Option<QuotaDecision>,
+    /// The key's slots and the live leases when the request asked for one.
+    slots: Option<(u64, u64)>,
+    /// The slot refused (and enforced).
+    lease_refused: Option<LeaseRefusal>,
+    /// The clock (Unix seconds) a quota's refusal was decided by, for its fields: their
+    /// `t` is then its `retry-after`.
+    refused_at: Option<i64>,
     guard: Option<LeaseGuard<C>>,
 }
 
@@ -342,62 +432,102 @@ where
             client: None,
             key: None,
             quota: None,
+            slots: None,
+            lease_refused: None,
+            refused_at: None,
             guard: None,
         }
     }
 
-    /// Asks every limit in order; a refusal gives back what the earlier ones took.
+    /// Asks every limit in order; a refusal gives back what the earlier ones took. A
+    /// limit in shadow that refuses lets the request go on.
     async fn admit(&mut self) -> Result<Admitted, Refusal> {
-        let pair = match (&self.client_bucket, &self.key_bucket) {
-            (Some(client), Some(key)) => Some(self.limiter.take_pair(client, key, 1).await),
-            (Some(client), None) => Some(
-                self.limiter
-                    .take(client, 1)
-                    .await
-                    .map(|client| PairDecision { client, key: None }),
-            ),
-            (None, Some(key)) => Some(self.limiter.take(key, 1).await.map(|key| PairDecision {
-                client: key,
-                key: None,
-            })),
-            (None, None) => None,
+        let quota = match (&self.quota_key, &self.limits.quota) {
+            (Some(key), Some(quota)) => Some((key.clone(), quota.clone())),
+            _ => None,
         };
-        if let Some(pair) = pair {
-            let pair = match pair {
-                Ok(pair) => pair,
-                Err(error) => return Err(self.failed(&error).await),
-            };
-            if self.client_bucket.is_some() {
-                self.client = Some(pair.client);
-                self.key = pair.key;
-            } else {
-                self.key = Some(pair.client);
+        let (client_bucket, key_bucket) = (self.client_bucket.as_ref(), self.key_bucket.as_ref());
+        let quota_check = match &quota {
+            Some((quota_key, quota)) => {
+                let taken = self
+                    .limiter
+                    .take_with_quota(client_bucket, key_bucket, 1, quota_key, quota)
+                    .await;
+                match taken {
+                    Ok(taken) => {
+                        (self.client, self.key) = (taken.client, taken.key);
+                        Some(taken.quota)
+                    }
+                    Err(error) => return Err(self.failed(&error).await),
+                }
             }
-            if let Some(client) = self.client.filter(|client| !client.allowed) {
+            None => {
+                let taken = match (client_bucket, key_bucket) {
+                    (Some(client), Some(key)) => self
+                        .limiter
+                        .take_pair(client, key, 1)
+                        .await
+                        .map(|pair| (Some(pair.client), pair.key)),
+                    (Some(client), None) => {
+                        self.limiter.take(client, 1).await.map(|d| (Some(d), None))
+                    }
+                    (None, Some(key)) => self.limiter.take(key, 1).await.map(|d| (None, Some(d))),
+                    (None, None) => Ok((None, None)),
+                };
+                match taken {
+                    Ok(taken) => (self.client, self.key) = taken,
+                    Err(error) => return Err(self.failed(&error).await),
+                }
+                None
+            }
+        };
+        // Read whatever the buckets say: a refusal shows what is left of the quota.
+        if let Some(Ok(check)) = &quota_check {
+            self.quota = Some(*check);
+        }
+        self.count(
+            LimitName::Client,
+            self.client.map(|d| (d.allowed, d.answered_by)),
+        );
+        if let Some(client) = self.client.filter(|client| !client.allowed) {
+            if !self.shadowed(LimitName::Client) {
                 return Err(Refusal::Client {
                     retry_after: client.retry_after,
                 });
             }
-            if let Some(key) = self.key.filter(|key| !key.allowed) {
+            // Let through: the key's bucket, which QAG.TAKE2 leaves alone behind a
+            // refusing client bucket, is taken on its own.
+            if let (Some(key), None) = (key_bucket, self.key) {
+                match self.limiter.take(key, 1).await {
+                    Ok(key) => self.key = Some(key),
+                    Err(error) => return Err(self.failed(&error).await),
+                }
+            }
+        }
+        self.count(LimitName::Key, self.key.map(|d| (d.allowed, d.answered_by)));
+        if let Some(key) = self.key.filter(|key| !key.allowed) {
+            if !self.shadowed(LimitName::Key) {
                 self.give_back().await;
                 return Err(Refusal::Key {
                     retry_after: key.retry_after,
                 });
             }
         }
-        if let (Some(quota_key), Some(quota)) = (&self.quota_key, &self.limits.quota) {
-            let check = match self.limiter.quota_check(quota_key, quota).await {
+        if let Some(checked) = quota_check {
+            let check = match checked {
                 Ok(check) => check,
                 Err(error) => return Err(self.failed(&error).await),
             };
-            self.quota = Some(check);
-            if !check.allowed {
+            self.count(LimitName::Quota, Some((check.allowed, check.answered_by)));
+            if !check.allowed && !self.shadowed(LimitName::Quota) {
                 self.give_back().await;
                 let exceeded = match check.calls_remaining {
                     Some(0) => "calls",
                     _ => "rows",
                 };
-                let retry_after = u64::try_from(check.resets_at - unix_seconds()).unwrap_or(0);
+                let now = unix_seconds();
+                self.refused_at = Some(now);
+                let retry_after = u64::try_from(check.resets_at - now).unwrap_or(0);
                 return Err(Refusal::Quota {
                     exceeded,
                     resets_at: check.resets_at,
@@ -416,10 +546,23 @@ where
                 Err(error) => return Err(self.failed(&error).await),
             };
             match lease {
-                Lease::Held(guard) => self.guard = Some(guard),
-                Lease::Refused(_) => {
-                    self.give_back().await;
-                    return Err(Refusal::Concurrency);
+                Lease::Held(guard) => {
+                    let by = guard.answered_by();
+                    self.count(LimitName::Concurrency, Some((true, by)));
+                    if by != AnsweredBy::Forwarded {
+                        self.slots = Some((max, guard.live()));
+                    }
+                    self.guard = Some(guard);
+                }
+                Lease::Refused(refusal) => {
+                    let by = refusal.answered_by;
+                    self.count(LimitName::Concurrency, Some((false, by)));
+                    self.slots = Some((max, refusal.live));
+                    if !self.shadowed(LimitName::Concurrency) {
+                        self.lease_refused = Some(refusal);
+                        self.give_back().await;
+                        return Err(Refusal::Concurrency);
+                    }
                 }
             }
         }
@@ -431,6 +574,40 @@ where
             quota: self.quota,
             rows: ReportRows::default(),
         })
+    }
+
+    /// Counts a limit's decision (allowed or not, and how it was answered): a forwarded
+    /// one counted nothing.
+    fn count(&self, limit: LimitName, decision: Option<(bool, AnsweredBy)>) {
+        let state = &self.config.limits[limit.index()];
+        match decision {
+            Some((_, AnsweredBy::Forwarded)) | None => {}
+            Some((true, _)) => drop(state.allowed.fetch_add(1, Ordering::Relaxed)),
+            Some((false, _)) => drop(state.refused.fetch_add(1, Ordering::Relaxed)),
+        }
+    }
+
+    /// A limit refused: true if it is in shadow (the refusal logged, a line a second at
+    /// most, and let through).
+    fn shadowed(&self, limit: LimitName) -> bool {
+        let state = &self.config.limits[limit.index()];
+        if !state.shadow {
+            return false;
+        }
+        let left_out = lock(&state.shadow_log).due(Instant::now(), Duration::from_secs(1));
+        if let Some(left_out) = left_out {
+            let since = match left_out {
+                0 => String::new(),
+                n => format!(" ({n} more since the last such line)"),
+            };
+            log::warn!(
+                target: "qag_client",
+                "shadow: the {} limit refused request {} and let it through{since}",
+                limit.as_str(),
+                self.request_id
+            );
+        }
+        true
     }
 
     /// A limit could not be asked: 503 under the `Raise` policy (the other policies
@@ -492,6 +669,15 @@ where
         if let Some(quota) = quota {
             headers = headers.quota(quota);
         }
+        if let Some((max, live)) = self.slots {
+            headers = headers.slots(max, live);
+        }
+        if let Some(refusal) = &self.lease_refused {
+            headers = headers.lease_refused(refusal);
+        }
+        if let Some(now) = self.refused_at {
+            headers = headers.now(now);
+        }
         if !self.config.draft_headers {
             headers = headers.without_draft();
         }
@@ -534,7 +720,9 @@ where
                 }
             }
         }
-        let fields = self.headers(quota_after.as_ref()).header_map();
+        let mut fields = self.headers(quota_after.as_ref()).header_map();
+        // Admitted: a refusal a limit in shadow let through asks no wait.
+        fields.remove("retry-after");
         let (mut parts, body) = response.into_parts();
         parts.headers.extend(fields);
         let at_end = AtEnd {

@@ -1,14 +1,19 @@
 //! Leases, quotas and windows through the crate: the lease guard renews, releases and
-//! reports a lost lease; quotas and windows are typed, and need the module.
+//! reports a lost lease; quotas and windows are typed, and need the module; a request's
+//! buckets and quota check go in one round trip.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
 use qag_client::{
-    AnsweredBy, Backend, Error, Lease, Limiter, Options, Per, Quota, Recorded, RetryAfter, Scope,
+    AnsweredBy, Backend, Bucket, Error, Lease, Limiter, OnUnavailable, Options, Per, Quota,
+    Recorded, RetryAfter, Scope,
 };
 use redis::aio::MultiplexedConnection;
 
@@ -188,4 +193,134 @@ async fn quotas_and_windows_are_typed() {
         script_only.record(&keys, 1, None).await,
         Err(Error::ModuleRequired)
     );
+}
+
+/// A relay on loopback to a server that keeps what the client wrote, one entry a read.
+fn relay(server: u16) -> (u16, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let writes = Arc::new(Mutex::new(Vec::new()));
+    let kept = writes.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let (Ok(mut client), Ok(mut upstream)) =
+                (client, TcpStream::connect(("127.0.0.1", server)))
+            else {
+                return;
+            };
+            let (mut from_server, mut to_client) =
+                (upstream.try_clone().unwrap(), client.try_clone().unwrap());
+            std::thread::spawn(move || std::io::copy(&mut from_server, &mut to_client));
+            let kept = kept.clone();
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 65536];
+                while let Ok(n @ 1..) = client.read(&mut buffer) {
+                    let text = String::from_utf8_lossy(&buffer[..n]).into_owned();
+                    kept.lock().unwrap().push(text);
+                    if upstream.write_all(&buffer[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (port, writes)
+}
+
+/// Issue 35: a request's buckets and its quota's check in one round trip; a bucket that
+/// refuses still shows the quota, counting nothing; a check that fails on its own
+/// leaves the buckets' answer standing; without the module the buckets go by script.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_buckets_and_the_quota_check_share_a_round_trip() {
+    if external("the_buckets_and_the_quota_check_share_a_round_trip") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut raw = server.client().get_connection().unwrap();
+    let (port, writes) = relay(server.port);
+    let url = format!("redis://127.0.0.1:{port}/");
+    let relayed = Limiter::connect(&url, Options::default()).await.unwrap();
+    let client = Bucket::named("client", 1, 3600.0, "203.0.113.9");
+    let key = Bucket::named("key", 10, 3600.0, "acme~r");
+    let quota = Quota {
+        per: Per::Day,
+        zone: "UTC".into(),
+        calls: Some(5),
+        rows: None,
+    };
+    let take = |client: Option<&Bucket>| {
+        let limiter = relayed.clone();
+        let (key, quota, client) = (key.clone(), quota.clone(), client.cloned());
+        async move {
+            let taken =
+                limiter.take_with_quota(client.as_ref(), Some(&key), 1, "qag:quota:acme~r", &quota);
+            taken.await.unwrap()
+        }
+    };
+    let first = take(Some(&client)).await;
+    assert!(first.buckets_allowed());
+    assert_eq!(first.quota.as_ref().unwrap().calls_remaining, Some(5));
+    // One write: QAG.TAKE2 and QAG.QUOTA together.
+    let sent = writes.lock().unwrap().clone();
+    let both: Vec<&String> = sent.iter().filter(|w| w.contains("QAG.QUOTA")).collect();
+    assert_eq!(both.len(), 1, "{sent:?}");
+    assert!(both[0].contains("QAG.TAKE2"), "{sent:?}");
+    // The client's bucket refuses: the quota is read all the same, and counts nothing.
+    let refused = take(Some(&client)).await;
+    assert!(!refused.buckets_allowed());
+    assert_eq!(refused.key, None);
+    assert_eq!(refused.quota.as_ref().unwrap().calls_remaining, Some(5));
+    assert!(!exists(&mut raw, "qag:quota:acme~r"));
+    // A quota key of another type: the check's error, the refusal standing.
+    cmd("SET")
+        .arg("qag:quota:acme~r")
+        .arg("x")
+        .query::<()>(&mut raw)
+        .unwrap();
+    let refused = take(Some(&client)).await;
+    assert!(!refused.client.unwrap().allowed);
+    assert!(
+        matches!(refused.quota, Err(Error::Server(_))),
+        "{:?}",
+        refused.quota
+    );
+    cmd("DEL")
+        .arg("qag:quota:acme~r")
+        .query::<()>(&mut raw)
+        .unwrap();
+    // The key's bucket alone.
+    let alone = take(None).await;
+    assert_eq!(
+        (alone.client, alone.key.map(|key| key.remaining)),
+        (None, Some(8))
+    );
+
+    // Without the module: the buckets by script, the check the module's to give.
+    let bare = Server::start(&ServerOptions {
+        without_module: true,
+        ..Default::default()
+    });
+    let bare_limiter = limiter(&bare).await;
+    let taken =
+        bare_limiter.take_with_quota(Some(&client), Some(&key), 1, "qag:quota:acme~r", &quota);
+    let taken = taken.await.unwrap();
+    assert_eq!(taken.client.unwrap().answered_by, AnsweredBy::Script);
+    assert!(
+        matches!(taken.quota, Err(Error::ModuleRequired)),
+        "{:?}",
+        taken.quota
+    );
+
+    // Redis stopped, under the local policy: both answered in this process.
+    let options = Options {
+        on_unavailable: OnUnavailable::Local,
+        ..Options::default()
+    };
+    let direct = format!("redis://127.0.0.1:{}/", server.port);
+    let local = Limiter::connect(&direct, options).await.unwrap();
+    let _stopped = Stopped::new(&server);
+    let taken = local.take_with_quota(None, Some(&key), 1, "qag:quota:acme~l", &quota);
+    let taken = taken.await.unwrap();
+    assert_eq!(taken.key.unwrap().answered_by, AnsweredBy::Local);
+    assert_eq!(taken.quota.unwrap().answered_by, AnsweredBy::Local);
 }

@@ -119,19 +119,71 @@ fn the_take_example_prints_one_line() {
     assert!(text(&usage.stderr).contains("usage: take"));
 }
 
+/// docs/clients.md's tower example is examples/tower_layer.rs verbatim, and it runs: a
+/// request with a key is answered with the headers of its limits, its quota's among
+/// them.
 #[test]
-fn the_readme_shows_the_axum_gateways_set_up_verbatim() {
+fn the_tower_example_runs_and_is_the_readmes() {
     let source =
-        std::fs::read_to_string(repository_root().join("clients/rust/examples/axum_gateway.rs"))
+        std::fs::read_to_string(repository_root().join("clients/rust/examples/tower_layer.rs"))
             .unwrap();
     let readme = std::fs::read_to_string(repository_root().join("docs/clients.md")).unwrap();
-    let start = source.find("#[tokio::main]").unwrap();
-    let end = source.find("/// The command line.").unwrap();
-    let set_up = source[start..end].trim_end();
     assert!(
-        readme.contains(&format!("```rust\n{set_up}\n```\n")),
-        "docs/clients.md does not show axum_gateway.rs's main verbatim"
+        readme.contains(&format!("```rust\n{source}```\n")),
+        "docs/clients.md's tower example is not clients/rust/examples/tower_layer.rs verbatim"
     );
+    if external("the_tower_example_runs_and_is_the_readmes") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args([
+            "run",
+            "--quiet",
+            "--package",
+            "qag-client",
+            "--features",
+            "tower",
+        ])
+        .args(["--example", "tower_layer", "--"])
+        .arg(format!("redis://127.0.0.1:{}/", server.port))
+        .arg("127.0.0.1:0")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the tower example");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let address = line.trim().strip_prefix("listening on ").map(str::to_owned);
+    let answer = address.map(|address| {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(async {
+            let response = reqwest::Client::new()
+                .get(format!("http://{address}/v1/query"))
+                .header("x-api-key", "acme~partner")
+                .send()
+                .await
+                .unwrap();
+            let fields = response.headers().clone();
+            (response.status().as_u16(), fields)
+        })
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let (status, fields) = answer.unwrap_or_else(|| panic!("the example said {line:?}"));
+    assert_eq!(status, 200);
+    for (name, value) in [
+        ("x-ratelimit-remaining", "19"),
+        ("x-ratelimit-key-remaining", "99"),
+        ("x-quota-remaining-calls", "99999"),
+        ("x-quota-remaining-rows", "9999750"),
+    ] {
+        assert_eq!(fields[name], value, "{name}: {fields:?}");
+    }
+    assert!(fields.contains_key("ratelimit-policy"), "{fields:?}");
 }
 
 #[test]

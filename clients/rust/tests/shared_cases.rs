@@ -2,7 +2,9 @@
 //! header fields, and local bucket arithmetic, the last checked against qag-core.
 
 use qag_client::answers::Refusal;
-use qag_client::decision::{AnsweredBy, Decision, LeaseRefusal, QuotaDecision, QuotaUsage};
+use qag_client::decision::{
+    Admission, AnsweredBy, Decision, LeaseRefusal, QuotaDecision, QuotaUsage, Scope,
+};
 use qag_client::local::LocalBuckets;
 use qag_client::{bucket_key, Headers, RetryAfter};
 use serde_json::Value;
@@ -21,6 +23,14 @@ fn optional_u64(value: &Value) -> Option<u64> {
     value.as_u64()
 }
 
+fn answered_by(value: &Value) -> AnsweredBy {
+    match value["answered_by"].as_str() {
+        None | Some("module") => AnsweredBy::Module,
+        Some("forwarded") => AnsweredBy::Forwarded,
+        Some(other) => panic!("answered_by {other}"),
+    }
+}
+
 fn bucket(value: &Value) -> Option<Decision> {
     value.as_object()?;
     Some(Decision {
@@ -29,12 +39,34 @@ fn bucket(value: &Value) -> Option<Decision> {
         period: value["period"].as_f64().unwrap(),
         remaining: u64_of(&value["remaining"]),
         retry_after: RetryAfter::from_reply(value["retry_after"].as_i64().unwrap()).unwrap(),
-        answered_by: match value["answered_by"].as_str() {
-            None | Some("module") => AnsweredBy::Module,
-            Some("forwarded") => AnsweredBy::Forwarded,
-            Some(other) => panic!("answered_by {other}"),
-        },
+        answered_by: answered_by(value),
     })
+}
+
+/// A window chain: its scopes, QAG.ADMIT's answer and the window's seconds.
+fn window(value: &Value) -> Option<(Vec<Scope>, Admission, Option<u32>)> {
+    value.as_object()?;
+    let scopes = value["scopes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|scope| Scope {
+            key: scope[0].as_str().unwrap().to_owned(),
+            rpm: u64_of(&scope[1]),
+            tpm: u64_of(&scope[2]),
+        })
+        .collect();
+    let admission = &value["admission"];
+    let admission = Admission {
+        admitted: admission["admitted"].as_bool().unwrap(),
+        refused_by: admission["refused_by"].as_u64().map(|index| index as usize),
+        retry_after: RetryAfter::Seconds(u64_of(&admission["retry_after"])),
+        requests_remaining: optional_u64(&admission["requests_remaining"]),
+        tokens_remaining: optional_u64(&admission["tokens_remaining"]),
+        answered_by: answered_by(admission),
+    };
+    let seconds = value["seconds"].as_u64().map(|seconds| seconds as u32);
+    Some((scopes, admission, seconds))
 }
 
 fn quota(value: &Value) -> Option<QuotaDecision> {
@@ -94,7 +126,11 @@ fn header_fields() {
             None => quota,
         });
         let lease = lease(&case["lease"]);
-        let mut request = Headers::new().now(case["now"].as_i64().unwrap());
+        let window = window(&case["window"]);
+        let mut request = match case["now_ms"].as_i64() {
+            Some(now) => Headers::new().now_millis(now),
+            None => Headers::new().now(case["now"].as_i64().unwrap()),
+        };
         if let Some(client) = &client {
             request = request.client(client);
         }
@@ -104,8 +140,14 @@ fn header_fields() {
         if let Some(quota) = &quota {
             request = request.quota(quota);
         }
+        if let Some(slots) = case["slots"].as_object() {
+            request = request.slots(u64_of(&slots["max"]), u64_of(&slots["live"]));
+        }
         if let Some(lease) = &lease {
             request = request.lease_refused(lease);
+        }
+        if let Some((scopes, admission, seconds)) = &window {
+            request = request.window(scopes, admission, *seconds);
         }
         if case["draft"] == Value::Bool(false) {
             request = request.without_draft();

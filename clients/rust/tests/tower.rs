@@ -2,15 +2,20 @@
 //! against a real server, driven by a real HTTP client. Exact headers call by call, the
 //! 429 at the right request with ADR 0032's body, the client's bucket refusing without
 //! touching the key's, refunds on later refusals, the quota counting down, streams
-//! holding their slot to the last byte, a client gone mid-stream freeing it, and a
-//! cancelled request leaving no token hold and no slot behind.
+//! holding their slot to the last byte, a client gone mid-stream freeing it, a
+//! cancelled request leaving no token hold and no slot behind; the quota's fields on
+//! every answer to a caller with a quota, the draft's RateLimit fields parsed with a
+//! Structured Fields parser and agreeing with the others, a window chain's OpenAI-style
+//! fields, and a limit in shadow.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::*;
 
@@ -22,6 +27,15 @@ struct Gateway {
 
 impl Gateway {
     fn start(server: &Server, flags: &[&str]) -> Gateway {
+        Gateway::start_logging(server, flags, None)
+    }
+
+    /// The gateway with its standard error (its log) written to `log`.
+    fn start_logging(server: &Server, flags: &[&str], log: Option<&Path>) -> Gateway {
+        let stderr = match log {
+            Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+            None => Stdio::inherit(),
+        };
         let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
             .args([
                 "run",
@@ -40,6 +54,7 @@ impl Gateway {
             ])
             .args(flags)
             .stdout(Stdio::piped())
+            .stderr(stderr)
             .spawn()
             .expect("run the axum gateway example");
         let mut line = String::new();
@@ -459,4 +474,400 @@ async fn a_stopped_redis_costs_a_request_one_deadline() {
         assert_eq!(status, 200, "counted locally");
         assert!(took < Duration::from_millis(750), "{took:?}");
     }
+}
+
+/// A parameter of the draft's fields.
+#[derive(Clone, Debug, PartialEq)]
+enum Param {
+    Integer(i64),
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+type Items = BTreeMap<String, BTreeMap<String, Param>>;
+
+/// A List field of draft-ietf-httpapi-ratelimit-headers-11, parsed with a Structured
+/// Fields parser (sfv), each item's name and parameters, checked against the draft's
+/// rules: every item a String with parameters; in `ratelimit-policy`, `q` a
+/// non-negative Integer (required), `qu` a String, `w` a positive Integer; in
+/// `ratelimit`, `r` a non-negative Integer (required), `t` a non-negative Integer;
+/// `pk` a Byte Sequence in both. Other parameters are allowed (comments).
+fn draft_items(field: &str, value: &str) -> Result<Items, String> {
+    let list = sfv::Parser::parse_list(value.as_bytes()).map_err(|e| format!("{value}: {e}"))?;
+    let mut items = Items::new();
+    for entry in list {
+        let sfv::ListEntry::Item(item) = entry else {
+            return Err(format!("an inner list in {value}"));
+        };
+        let name = item
+            .bare_item
+            .as_str()
+            .ok_or(format!("a name not a String: {value}"))?;
+        let mut params = BTreeMap::new();
+        for (param, bare) in &item.params {
+            let value = match bare {
+                sfv::BareItem::Integer(n) => Param::Integer(*n),
+                sfv::BareItem::String(text) => Param::Text(text.clone()),
+                sfv::BareItem::ByteSeq(bytes) => Param::Bytes(bytes.clone()),
+                other => Param::Text(format!("{other:?}")),
+            };
+            params.insert(param.clone(), value);
+        }
+        let integer = |param: &str, least: i64, required: bool| match params.get(param) {
+            Some(Param::Integer(n)) if *n >= least => Ok(()),
+            None if !required => Ok(()),
+            other => Err(format!("{name}: {param} is {other:?} in {value}")),
+        };
+        match field {
+            "ratelimit-policy" => {
+                integer("q", 0, true)?;
+                integer("w", 1, false)?;
+                if !matches!(params.get("qu"), None | Some(Param::Text(_))) {
+                    return Err(format!("{name}: qu not a String in {value}"));
+                }
+            }
+            _ => {
+                integer("r", 0, true)?;
+                integer("t", 0, false)?;
+            }
+        }
+        if !matches!(params.get("pk"), None | Some(Param::Bytes(_))) {
+            return Err(format!("{name}: pk not a Byte Sequence in {value}"));
+        }
+        items.insert(name.to_owned(), params);
+    }
+    Ok(items)
+}
+
+/// The checks of the gateway's fields, run first on the draft's own examples.
+#[test]
+fn the_drafts_examples_pass_the_checks_the_gateways_fields_pass() {
+    let policies = [
+        r#""burst";q=100;w=60,"daily";q=1000;w=86400"#,
+        r#""default";q=100;w=10"#,
+        r#""permin";q=50;w=60,"perhr";q=1000;w=3600"#,
+        r#""peruser";q=100;w=60;pk=:cHsdsRa894==:"#,
+        r#""peruser";q=65535;qu="content-bytes";w=10;pk=:sdfjLJUOUH==:"#,
+        r#""hour";q=1000;w=3600, "day";q=5000;w=86400"#,
+    ];
+    for policy in policies {
+        draft_items("ratelimit-policy", policy).unwrap();
+    }
+    let limits = [
+        r#""default";r=50;t=30"#,
+        r#""default";r=999;pk=:dHJpYWwxMjEzMjM=:"#,
+        r#""default";r=300000000;t=60;pk=:QXBwLTk5OQ==:"#,
+        r#""dayLimit";r=100;t=36000"#,
+        r#""problemPolicy";r=0;t=10"#,
+    ];
+    for limit in limits {
+        draft_items("ratelimit", limit).unwrap();
+    }
+    // And what the draft rules out: a Token for a name (-08's form), no quota, a window
+    // of 0, a negative remaining.
+    for (field, bad) in [
+        ("ratelimit-policy", "default;q=100;w=60"),
+        ("ratelimit-policy", r#""default";w=60"#),
+        ("ratelimit-policy", r#""default";q=100;w=0"#),
+        ("ratelimit", r#""default";r=-1;t=5"#),
+    ] {
+        assert!(draft_items(field, bad).is_err(), "{bad}");
+    }
+}
+
+/// An answer of the gateway, headers whole.
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: String,
+}
+
+async fn answer(response: reqwest::Response) -> Answer {
+    Answer {
+        status: response.status().as_u16(),
+        headers: response.headers().clone(),
+        body: response.text().await.unwrap(),
+    }
+}
+
+impl Answer {
+    fn text(&self, name: &str) -> Option<String> {
+        let value = self.headers.get(name)?;
+        Some(value.to_str().unwrap().to_owned())
+    }
+
+    fn number(&self, name: &str) -> Option<i64> {
+        self.text(name).map(|value| value.parse().unwrap())
+    }
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
+/// Every answer to a caller with a quota of `calls` carries the quota's fields, and the
+/// draft's fields parse and agree with the others: a bucket's `q` and `r` are its
+/// `x-ratelimit-*` limit and remaining, the quota's `r` and `t` its remaining calls and
+/// the time to its reset, every limit in the policy has its service limit; the
+/// refusing limit (`refused_by`) has nothing left and waits what `retry-after` says.
+fn check_fields(answer: &Answer, calls: i64, refused_by: Option<&str>) {
+    let what = format!("{} {:?} {}", answer.status, answer.headers, answer.body);
+    let calls_left = answer.number("x-quota-remaining-calls").expect(&what);
+    let resets_at = answer.number("x-quota-reset").expect(&what);
+    let policy = draft_items(
+        "ratelimit-policy",
+        &answer.text("ratelimit-policy").unwrap(),
+    );
+    let limits = draft_items("ratelimit", &answer.text("ratelimit").unwrap());
+    let (policy, limits) = (policy.expect(&what), limits.expect(&what));
+    assert!(policy.keys().eq(limits.keys()), "{what}");
+    let param = |items: &Items, name: &str, param: &str| match items.get(name)?.get(param) {
+        Some(Param::Integer(n)) => Some(*n),
+        _ => None,
+    };
+    for (name, prefix) in [("client", "x-ratelimit"), ("key", "x-ratelimit-key")] {
+        let limit = answer.number(&format!("{prefix}-limit"));
+        assert_eq!(param(&policy, name, "q"), limit, "{name}: {what}");
+        let remaining = answer.number(&format!("{prefix}-remaining"));
+        assert_eq!(param(&limits, name, "r"), remaining, "{name}: {what}");
+    }
+    assert_eq!(param(&policy, "calls", "q"), Some(calls), "{what}");
+    assert_eq!(param(&limits, "calls", "r"), Some(calls_left), "{what}");
+    let t = param(&limits, "calls", "t").expect(&what);
+    assert!((resets_at - unix_now() - t).abs() <= 2, "{what}");
+    let retry_after = answer.number("retry-after");
+    match refused_by {
+        Some(name) => {
+            assert_eq!(param(&limits, name, "r"), Some(0), "{what}");
+            assert_eq!(param(&limits, name, "t"), retry_after, "{what}");
+            assert!(retry_after.is_some(), "{what}");
+        }
+        None => assert_eq!(retry_after, None, "{what}"),
+    }
+}
+
+/// Issue 35: a bucket's 429, a slot's and the quota's own carry the quota's fields as
+/// the 200s do (read in the round trip of the buckets, counting nothing), and the
+/// draft's fields name the limit that refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_answer_to_a_caller_with_a_quota_carries_it_and_the_drafts_fields_agree() {
+    if external("every_answer_to_a_caller_with_a_quota_carries_it_and_the_drafts_fields_agree") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let flags = [
+        "--client-limit",
+        "5/3600",
+        "--key-limit",
+        "2/3600",
+        "--max-concurrent",
+        "1",
+        "--quota-calls",
+        "10",
+        "--quota-per",
+        "day",
+    ];
+    let gateway = Gateway::start(&server, &flags);
+    let client = reqwest::Client::new();
+    let get = |query: &str| client.get(gateway.url(query)).send();
+
+    // A stream holds the key's one slot: a second request is refused its slot.
+    let stream = get("key=acme~s&work_ms=1000&chunks=2").await.unwrap();
+    let held = answer(get("key=acme~s").await.unwrap()).await;
+    let stream = answer(stream).await;
+    assert_eq!((stream.status, held.status), (200, 429));
+    assert!(held.body.contains("too_many_concurrent"), "{}", held.body);
+    check_fields(&stream, 10, None);
+    check_fields(&held, 10, Some("concurrency"));
+    assert_eq!(held.number("x-quota-remaining-calls"), Some(9));
+
+    // The key's bucket of 2, then the client's of 5 (given back what later limits refused).
+    let mut answers = Vec::new();
+    for query in ["key=acme~k"; 3].into_iter().chain(["key=acme~c"; 3]) {
+        answers.push(answer(get(query).await.unwrap()).await);
+    }
+    let statuses: Vec<u16> = answers.iter().map(|answer| answer.status).collect();
+    assert_eq!(statuses, [200, 200, 429, 200, 200, 429]);
+    for (answer, refused_by) in
+        answers
+            .iter()
+            .zip([None, None, Some("key"), None, None, Some("client")])
+    {
+        check_fields(answer, 10, refused_by);
+    }
+    assert!(answers[2].body.contains("for this API key"));
+    assert_eq!(answers[2].number("x-quota-remaining-calls"), Some(8));
+    assert!(answers[5]
+        .body
+        .starts_with(r#"{"error":"Rate limit exceeded","#));
+    assert_eq!(answers[5].number("x-quota-remaining-calls"), Some(8));
+    // The refused calls counted nothing: 2 + 2 of acme~k and acme~c, 1 of the stream.
+    for (key, used) in [("acme~k", "2"), ("acme~c", "2"), ("acme~s", "1")] {
+        let calls: Option<String> = cmd("HGET")
+            .arg(format!("qag:quota:{key}"))
+            .arg("calls")
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(calls.as_deref(), Some(used), "{key}");
+    }
+    drop(gateway);
+
+    // The quota's own refusal.
+    let flags = [
+        "--key-limit",
+        "100/3600",
+        "--quota-calls",
+        "2",
+        "--quota-per",
+        "day",
+    ];
+    let gateway = Gateway::start(&server, &flags);
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let response = client.get(gateway.url("key=acme~q")).send().await.unwrap();
+        answers.push(answer(response).await);
+    }
+    assert_eq!(answers[2].status, 429);
+    assert!(answers[2].body.contains("quota_exceeded"));
+    for (answer, refused_by) in answers.iter().zip([None, None, Some("calls")]) {
+        check_fields(answer, 2, refused_by);
+    }
+}
+
+/// A duration as Go writes it (`1m47.5s`, `12ms`, `0s`), in milliseconds.
+fn go_millis(text: &str) -> u64 {
+    if let Some(millis) = text.strip_suffix("ms") {
+        return millis.parse().unwrap();
+    }
+    let mut millis = 0.0;
+    let mut number = String::new();
+    for c in text.chars() {
+        match c {
+            'h' | 'm' | 's' => {
+                let unit = match c {
+                    'h' => 3_600_000.0,
+                    'm' => 60_000.0,
+                    _ => 1000.0,
+                };
+                millis += number.parse::<f64>().unwrap() * unit;
+                number.clear();
+            }
+            c => number.push(c),
+        }
+    }
+    assert!(number.is_empty(), "{text}");
+    millis.round() as u64
+}
+
+/// Issue 35: the model route's OpenAI-style fields follow its window through a
+/// reservation (the tokens it holds counted) and its commit.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_model_route_reports_its_window_as_openai_does() {
+    if external("a_model_route_reports_its_window_as_openai_does") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let flags = ["--key-limit", "100/3600", "--tpm", "1000", "--rpm", "5"];
+    let gateway = Gateway::start(&server, &flags);
+    let window = |answer: &Answer| -> Vec<u64> {
+        let names = [
+            "limit-requests",
+            "remaining-requests",
+            "limit-tokens",
+            "remaining-tokens",
+        ];
+        let numbers = names.map(|name| answer.number(&format!("x-ratelimit-{name}")).unwrap());
+        for kind in ["requests", "tokens"] {
+            let reset = answer.text(&format!("x-ratelimit-reset-{kind}")).unwrap();
+            // What counts now has stopped counting by the end of the next window.
+            let reset = go_millis(&reset);
+            assert!(reset > 0 && reset <= 120_000, "{reset}");
+        }
+        numbers.iter().map(|&n| n as u64).collect()
+    };
+    // 600 held while the first runs, then 500 counted.
+    let first = reqwest::get(gateway.url("key=acme~t&reserve=600&tokens=500"));
+    let first = answer(first.await.unwrap()).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(window(&first), [5, 4, 1000, 400]);
+    let second = reqwest::get(gateway.url("key=acme~t&reserve=300"));
+    let second = answer(second.await.unwrap()).await;
+    assert_eq!(window(&second), [5, 3, 1000, 200]);
+    let refused = reqwest::get(gateway.url("key=acme~t&reserve=300"));
+    let refused = answer(refused.await.unwrap()).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(window(&refused), [5, 3, 1000, 200]);
+    let retry = refused.number("retry-after").unwrap();
+    assert!((1..=60).contains(&retry), "{retry}");
+}
+
+/// Issue 35: a limit in shadow counts as usual and refuses no one: 200 requests at once
+/// over a key bucket of 60 a minute are all answered 200; the limit's counts show 60
+/// allowed (and what refilled meanwhile, one a second) and the rest refused; its
+/// refusals are logged once a second, not once a request.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_limit_in_shadow_counts_and_refuses_no_one() {
+    if external("a_limit_in_shadow_counts_and_refuses_no_one") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let log = std::env::temp_dir().join(format!("qag-shadow-{}.log", std::process::id()));
+    let flags = ["--key-limit", "60/60", "--shadow", "key"];
+    let gateway = Gateway::start_logging(&server, &flags, Some(&log));
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let requests: Vec<_> = (0..200)
+        .map(|_| {
+            let request = client.get(gateway.url("key=acme~shadow")).send();
+            tokio::spawn(async move { answer(request.await.unwrap()).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for request in requests {
+        answers.push(request.await.unwrap());
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    assert!(answers.iter().all(|answer| answer.status == 200));
+    assert!(answers
+        .iter()
+        .all(|answer| answer.text("retry-after").is_none()));
+    let refused = answers
+        .iter()
+        .filter(|answer| answer.number("x-ratelimit-key-remaining") == Some(0))
+        .count();
+    let counts = reqwest::get(format!("{}/limits", gateway.base));
+    let counts = counts.await.unwrap().text().await.unwrap();
+    let counts: serde_json::Value = serde_json::from_str(&counts).unwrap();
+    let key = &counts["key"];
+    let (allowed, refused_counted) = (
+        key["allowed"].as_u64().unwrap(),
+        key["refused"].as_u64().unwrap(),
+    );
+    assert_eq!(key["shadow"], true);
+    assert_eq!(allowed + refused_counted, 200, "{counts}");
+    let refilled = elapsed.ceil() as u64;
+    assert!(
+        (60..=60 + refilled).contains(&allowed),
+        "{counts} in {elapsed:.2} s"
+    );
+    assert!(
+        refused >= refused_counted as usize,
+        "{refused} answers said 0 left"
+    );
+    drop(gateway);
+    let text = std::fs::read_to_string(&log).unwrap();
+    std::fs::remove_file(&log).ok();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("shadow: the key limit refused"))
+        .collect();
+    assert!(
+        (1..=1 + refilled as usize).contains(&lines.len()),
+        "{} lines in {elapsed:.2} s: {text}",
+        lines.len()
+    );
 }

@@ -31,6 +31,7 @@ from .decisions import (
     QuotaUsage,
     Refunded,
     Scope,
+    TakenWithQuota,
 )
 from .headers import headers
 from .naming import Bucket, bucket_key
@@ -62,6 +63,7 @@ __all__ = [
     "Scope",
     "TOKEN_BUCKET_LUA",
     "TOKEN_REFUND_LUA",
+    "TakenWithQuota",
     "bucket_key",
     "headers",
 ]

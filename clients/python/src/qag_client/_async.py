@@ -31,9 +31,10 @@ from ._driver import (
     Send,
     Sleep,
     named_after,
+    pipelined,
     pool_settings,
 )
-from ._engine import Request, RunScript, T
+from ._engine import Pipeline, Request, RunScript, T
 
 if TYPE_CHECKING:
     from typing import Concatenate, ParamSpec
@@ -230,6 +231,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
 
     take = _awaiting(Driver._take)
     take_pair = _awaiting(Driver._take_pair)
+    take_with_quota = _awaiting(Driver._take_with_quota)
     peek = _awaiting(Driver._peek)
     refund = _awaiting(Driver._refund)
     renew = _awaiting(Driver._renew)
@@ -400,6 +402,10 @@ async def _close_idle(node: Node, left: float) -> None:
 
 
 async def _send(node: Node, request: Request, asking: bool) -> Any:
+    if isinstance(request, Pipeline):  # its commands in one round trip
+        pipe = node.client.pipeline(transaction=False)
+        node.pipeline(request, asking, pipe)
+        return pipelined((await pipe.execute(raise_on_error=False)), asking)
     if asking:  # ASK: ASKING, then the request, on one connection
         pipe = node.client.pipeline(transaction=False)
         pipe.execute_command("ASKING")

@@ -64,6 +64,7 @@ from ._engine import (
     HoldView,
     LeaseState,
     Overtaken,
+    Pipeline,
     Request,
     RunScript,
     T,
@@ -267,6 +268,14 @@ class Node:
             "refund": client.register_script(TOKEN_REFUND_LUA),
         }
 
+    def pipeline(self, request: Pipeline, asking: bool, pipe: Any) -> None:
+        """Queues a pipeline's commands on a client library's pipeline (after ASK, each
+        after ASKING: it holds for the next command only)."""
+        for command in request.commands:
+            if asking:
+                pipe.execute_command("ASKING")
+            pipe.execute_command(*self.words(command))
+
     def words(self, request: Request) -> Tuple[Any, ...]:
         """The request as one command: a script as EVAL of its source, a probe's name
         as bytes (redis-py has no reply callback for it then: the raw reply)."""
@@ -277,6 +286,21 @@ class Node:
         if request.probe:
             return (request.words[0].encode(), *request.words[1:])
         return request.words
+
+
+def pipelined(replies: List[Any], asking: bool) -> List[Any]:
+    """A pipeline's replies (ASKING's left out), error replies in their place, except
+    those that concern the round trip, raised for the call to handle as a single
+    command's: READONLY (a demoted primary ran nothing), and a redirection or TRYAGAIN."""
+    if asking:
+        replies = replies[1::2]
+    for reply in replies:
+        if isinstance(reply, redis.exceptions.ReadOnlyError) or (
+            isinstance(reply, redis.exceptions.ResponseError)
+            and (redirection_of(reply) is not None or try_again(reply))
+        ):
+            raise reply
+    return replies
 
 
 def probe_time(deadline: float, back_off: float) -> float:
@@ -497,6 +521,53 @@ class Driver(Generic[LeaseT, ReservationT]):
             return d.PairDecision(client_decision, key_decision)
         keys = [first.key, second.key]
         return (yield from self._call(keys, lambda node: node.engine.take_pair(first, second, rid)))
+
+    def _take_with_quota(
+        self,
+        client: Optional[Bucket],
+        key: Optional[Bucket],
+        quota_key: str,
+        quota: d.Quota,
+        cost: int = 1,
+        *,
+        request_id: Optional[str] = None,
+    ) -> Driven[d.TakenWithQuota]:
+        """A request's buckets (the client's and the key's, either or both) and its
+        quota's check (QAG.QUOTA, which counts nothing), in one round trip where they
+        can share one: the module, and every key in one cluster slot (else the buckets,
+        then the check). The quota is read even when a bucket refused, so a refusal can
+        show what is left of it; a refused call is never counted in it. An outage of the
+        round trip is answered by the policy for both; a check that fails on its own is
+        ``quota_error``, the buckets' decisions standing. ``request_id`` as for
+        ``take``."""
+        d.quota_check_words(quota_key, quota)
+        first = None if client is None else d.BucketCall.on(client, cost)
+        second = None if key is None else d.BucketCall.on(key, cost)
+        rid = d.caller_id(request_id)
+        keys = [call.key for call in (first, second) if call is not None]
+        if not keys:
+            return d.TakenWithQuota(None, None, (yield from self._quota_check(quota_key, quota)))
+        keys.append(quota_key)
+        if self._shards.topology is not None and len({slot_of(k) for k in keys}) > 1:
+            client_decision = key_decision = None
+            if client is not None and key is not None:
+                pair = yield from self._take_pair(client, key, cost, request_id=rid)
+                client_decision, key_decision = pair.client, pair.key
+            elif client is not None:
+                client_decision = yield from self._take(client, cost, request_id=rid)
+            elif key is not None:
+                key_decision = yield from self._take(key, cost, request_id=rid)
+            try:
+                checked = yield from self._quota_check(quota_key, quota)
+            except d.QagError as error:
+                return d.TakenWithQuota(client_decision, key_decision, None, error)
+            return d.TakenWithQuota(client_decision, key_decision, checked)
+        return (
+            yield from self._call(
+                keys,
+                lambda node: node.engine.take_with_quota(first, second, quota_key, quota, rid),
+            )
+        )
 
     def _give_back(self, bucket: Bucket, cost: int, request_id: Optional[str]) -> Driven[None]:
         """The client bucket's token of a pair the key bucket refused (two calls)."""
@@ -886,6 +957,7 @@ class LeaseGuard:
         self._renewals: Optional[Background] = None
         # The node the lease was taken on (set on entering).
         self._node: Optional[Node] = None
+        self._live = 0
 
     @property
     def lost(self) -> bool:
@@ -899,6 +971,12 @@ class LeaseGuard:
     @property
     def answered_by(self) -> str:
         return self._state.answered_by
+
+    @property
+    def live(self) -> int:
+        """The key's live leases when this one was taken, this one included (0 for a
+        slot the "forward" policy answered: nothing was counted)."""
+        return self._live
 
     def _enter(self) -> Driven[None]:
         limiter, state = self._limiter, self._state
@@ -919,6 +997,7 @@ class LeaseGuard:
         if not grant.acquired:
             raise d.QagRefused(grant.live, grant.retry_after, grant.answered_by)
         state.answered_by = grant.answered_by
+        self._live = grant.live
         if state.in_redis:
             self._renewals = limiter._spawn(self._renewing(), f"qag-lease {self.id}")
 

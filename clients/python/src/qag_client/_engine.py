@@ -46,6 +46,7 @@ from .decisions import (
     QuotaUsage,
     Refunded,
     Scope,
+    TakenWithQuota,
 )
 from .local import LocalBuckets, LocalState, share_of
 
@@ -85,7 +86,15 @@ class RunScript:
     script: str = "bucket"
 
 
-Request = Any  # Command | RunScript
+@dataclass(frozen=True)
+class Pipeline:
+    """Commands sent together, in one round trip: the reply is a list, each command's
+    error reply in its place as the exception the client library made of it."""
+
+    commands: Tuple[Command, ...]
+
+
+Request = Any  # Command | RunScript | Pipeline
 T = TypeVar("T")
 # A call: yields requests, receives their replies, returns its answer.
 Flow = Generator[Request, Any, T]
@@ -639,19 +648,111 @@ class Engine:
                 pair = ("QAG.TAKE2", client.key, client.count, client.period_text, key.key)
                 command = Command(_with_id((*pair, *key.arguments()), request_id))
                 reply = yield from self._sent(command, True)
-                if not isinstance(reply, list) or len(reply) != 2:
-                    raise QagServerError(f"a QAG.TAKE2 reply, got {reply!r}")
-                client_decision = self._saw(client, client.decision(reply[0], "module"))
-                if reply[1] is None:
-                    return PairDecision(client_decision, None)
-                return PairDecision(
-                    client_decision, self._saw(key, key.decision(reply[1], "module"))
-                )
+                return self._pair_decided(client, key, reply)
             except UnknownCommand:
                 self._module_failed()
         client_decision = yield from self._script(client)
         key_decision = (yield from self._script(key)) if client_decision.allowed else None
         return PairDecision(client_decision, key_decision)
+
+    def _pair_decided(self, client: BucketCall, key: BucketCall, reply: Any) -> PairDecision:
+        """QAG.TAKE2's reply as both decisions (the key's None when not counted)."""
+        if not isinstance(reply, list) or len(reply) != 2:
+            raise QagServerError(f"a QAG.TAKE2 reply, got {reply!r}")
+        client_decision = self._saw(client, client.decision(reply[0], "module"))
+        if reply[1] is None:
+            return PairDecision(client_decision, None)
+        return PairDecision(client_decision, self._saw(key, key.decision(reply[1], "module")))
+
+    def take_with_quota(
+        self,
+        client: Optional[BucketCall],
+        key: Optional[BucketCall],
+        quota_key: str,
+        quota: Quota,
+        request_id: Optional[str],
+    ) -> Flow[TakenWithQuota]:
+        """A request's buckets (either or both) and its quota's check, in one round trip
+        with the module (QAG.TAKE2 or QAG.TAKE, and QAG.QUOTA pipelined); without it the
+        buckets by script, then the check. An outage of the round trip is answered by
+        the policy for both; the check's own failure is ``quota_error``."""
+        check = self._quota_fallback(quota_key, quota)
+
+        def forwarded() -> TakenWithQuota:
+            assert check.forwarded is not None
+            return TakenWithQuota(
+                None if client is None else client.forwarded(),
+                None if key is None else key.forwarded(),
+                check.forwarded(),
+            )
+
+        def local(state: LocalState, now: float, share: float) -> TakenWithQuota:
+            client_decision = None if client is None else _local_take(client)(state, now, share)
+            key_decision = None
+            if key is not None and (client_decision is None or client_decision.allowed):
+                key_decision = _local_take(key)(state, now, share)
+            return TakenWithQuota(client_decision, key_decision, check.local(state, now, share))
+
+        return self._routed(
+            self._take_with_quota(client, key, quota_key, quota, request_id),
+            Fallback(forwarded, local),
+        )
+
+    def _take_with_quota(
+        self,
+        client: Optional[BucketCall],
+        key: Optional[BucketCall],
+        quota_key: str,
+        quota: Quota,
+        request_id: Optional[str],
+    ) -> Flow[TakenWithQuota]:
+        # One bucket (QAG.TAKE), or both (QAG.TAKE2: alone is None).
+        alone = key if client is None else client if key is None else None
+        if alone is None:
+            assert client is not None and key is not None
+            pair = ("QAG.TAKE2", client.key, client.count, client.period_text, key.key)
+            take = _with_id((*pair, *key.arguments()), request_id)
+        else:
+            take = _with_id(("QAG.TAKE", alone.key, *alone.arguments()), request_id)
+        if (yield from self.path()) == "module":
+            check = Command(tuple(d.quota_check_words(quota_key, quota)))
+            # Replayed as an admission and a read are.
+            replies = yield from self._sent(Pipeline((Command(take), check)), True)
+            if not isinstance(replies, list) or len(replies) != 2:
+                raise QagServerError(f"a pipeline of two replies, got {replies!r}")
+            taken, checked = replies
+            if not isinstance(taken, BaseException):
+                if alone is None:
+                    assert client is not None and key is not None
+                    pair_decision = self._pair_decided(client, key, taken)
+                    decisions: Tuple[Optional[Decision], Optional[Decision]]
+                    decisions = (pair_decision.client, pair_decision.key)
+                else:
+                    decision = self._saw(alone, alone.decision(taken, "module"))
+                    decisions = (decision, None) if client is not None else (None, decision)
+                if isinstance(checked, BaseException):
+                    error = sort_error(checked)
+                    if isinstance(error, UnknownCommand):
+                        error = QagModuleRequired(str(error))
+                    if not isinstance(error, QagError):
+                        raise error
+                    return TakenWithQuota(decisions[0], decisions[1], None, error)
+                checked_quota = self._quota_checked(quota_key, quota, checked)
+                return TakenWithQuota(decisions[0], decisions[1], checked_quota)
+            error = sort_error(taken)
+            if not isinstance(error, UnknownCommand):
+                raise error
+            self._module_failed()  # nothing ran: the script takes
+        client_decision = None if client is None else (yield from self._script(client))
+        key_decision = None
+        if key is not None and (client_decision is None or client_decision.allowed):
+            key_decision = yield from self._script(key)
+        try:
+            # Its own round trip: what it meets is the check's; the buckets' answers stand.
+            quota_decision = yield from self._quota_check(quota_key, quota)
+        except QagError as failed:
+            return TakenWithQuota(client_decision, key_decision, None, failed)
+        return TakenWithQuota(client_decision, key_decision, quota_decision)
 
     def _peek(self, call: BucketCall) -> Flow[Decision]:
         if (yield from self.path()) == "module":
@@ -803,15 +904,22 @@ class Engine:
     # Quotas.
 
     def quota_check(self, key: str, quota: Quota) -> Flow[QuotaDecision]:
-        words = d.quota_check_words(key, quota)
-        per, tz, calls, rows = quota.per, quota.tz, quota.calls, quota.rows
+        return self._routed(self._quota_check(key, quota), self._quota_fallback(key, quota))
 
-        def in_redis() -> Flow[QuotaDecision]:
-            reply = yield from self.module_only(words, replayable=True)
-            decision = d.quota_decision(reply, calls, rows)
-            with self._lock:
-                self.local.quotas.saw_check(key, decision)
-            return decision
+    def _quota_check(self, key: str, quota: Quota) -> Flow[QuotaDecision]:
+        words = d.quota_check_words(key, quota)
+        reply = yield from self.module_only(words, replayable=True)
+        return self._quota_checked(key, quota, reply)
+
+    def _quota_checked(self, key: str, quota: Quota, reply: Any) -> QuotaDecision:
+        """QAG.QUOTA's reply as a decision, noted as Redis's last word on the quota."""
+        decision = d.quota_decision(reply, quota.calls, quota.rows)
+        with self._lock:
+            self.local.quotas.saw_check(key, decision)
+        return decision
+
+    def _quota_fallback(self, key: str, quota: Quota) -> Fallback[QuotaDecision]:
+        per, tz, calls, rows = quota.per, quota.tz, quota.calls, quota.rows
 
         def forwarded() -> QuotaDecision:
             return QuotaDecision(True, calls, None, rows, None, 0, "forwarded")
@@ -819,7 +927,7 @@ class Engine:
         def local(state: LocalState, now: float, share: float) -> QuotaDecision:
             return state.quotas.check(key, per, tz, calls, rows, now, share)
 
-        return self._routed(in_redis(), Fallback(forwarded, local))
+        return Fallback(forwarded, local)
 
     def quota_count(
         self,

@@ -10,6 +10,11 @@ any web framework: what the ASGI middleware (``qag_client.asgi``) and the WSGI o
 3. the key's quota: 429 ``quota_exceeded``, both tokens given back;
 4. the key's concurrency slot: 429 ``too_many_concurrent``, both tokens given back.
 
+The buckets and the quota's check go in one round trip where they can share one
+(``take_with_quota``), so a bucket's refusal shows the quota too. A limit in shadow is
+asked and counted as usual, but its refusals are let through: logged (a line a second
+at most) and counted (``limit_counts``), never answered 429.
+
 Like the limiters' flows, each step is a generator that yields ``Call``s (a limiter
 method and its arguments) and receives their answers, or has the limiter's error
 thrown in; the middleware runs it with awaits or blocking calls.
@@ -28,7 +33,9 @@ from typing import (
     Any,
     Callable,
     Dict,
+    FrozenSet,
     Generator,
+    Iterable,
     List,
     Mapping,
     Optional,
@@ -40,13 +47,50 @@ from urllib.parse import parse_qs
 from ._driver import Budget, spending
 from ._policy import LogEvery
 from .answers import Refusal
-from .decisions import Decision, QagError, QagRefused, Quota, QuotaDecision
+from .decisions import Decision, QagError, QagRefused, Quota, QuotaDecision, TakenWithQuota
 from .headers import headers
 from .naming import Bucket
 
 log = logging.getLogger("qag_client")
 
 Rate = Tuple[int, float]
+
+# The limits the middleware asks, in the order it asks them.
+LIMITS = ("client", "key", "quota", "concurrency")
+
+
+@dataclass(frozen=True)
+class LimitCounts:
+    """How a limit answered since the middleware was made (decisions the "forward"
+    policy answered counted nothing and are left out); ``refused`` counts, for a limit
+    in shadow, the refusals it let through."""
+
+    allowed: int
+    refused: int
+    shadow: bool
+
+
+class LimitState:
+    """One limit's counts and, in shadow, the pace of its log lines."""
+
+    def __init__(self, shadow: bool) -> None:
+        self.shadow = shadow
+        self.allowed = 0
+        self.refused = 0
+        # Refusals let through in shadow: one line a second.
+        self.shadow_log = LogEvery()
+        self.lock = threading.Lock()
+
+    def count(self, allowed: bool) -> None:
+        with self.lock:
+            if allowed:
+                self.allowed += 1
+            else:
+                self.refused += 1
+
+    def counts(self) -> LimitCounts:
+        with self.lock:
+            return LimitCounts(self.allowed, self.refused, self.shadow)
 
 
 @dataclass(frozen=True)
@@ -123,6 +167,8 @@ class Config:
     # Requests answered 503 because a limit could not be asked: one line a second.
     unavailable_log: LogEvery = field(default_factory=LogEvery, compare=False)
     unavailable_log_lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
+    # Each limit's counts, and whether it is in shadow (by name, LIMITS).
+    limit_states: Dict[str, LimitState] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def of(
@@ -134,6 +180,7 @@ class Config:
         key_limits: Union[KeyLimits, Callable[[str], KeyLimits], None],
         lease_ttl_ms: int,
         draft_headers: bool,
+        shadow: Iterable[str] = (),
     ) -> "Config":
         address = client_address or _peer
         if trusted_proxy_header is not None:
@@ -147,6 +194,9 @@ class Config:
             limits_of = key_limits
         if not (isinstance(lease_ttl_ms, int) and lease_ttl_ms > 0):
             raise ValueError("lease_ttl_ms must be a positive integer")
+        shadowed: FrozenSet[str] = frozenset((shadow,) if isinstance(shadow, str) else shadow)
+        if not shadowed <= set(LIMITS):
+            raise ValueError(f"shadow takes limits of {', '.join(LIMITS)}")
         return Config(
             client_bucket,
             address,
@@ -156,7 +206,11 @@ class Config:
             draft_headers,
             limiter._back_off,
             limiter._deadline,
+            limit_states={limit: LimitState(limit in shadowed) for limit in LIMITS},
         )
+
+    def limit_counts(self, limit: str) -> LimitCounts:
+        return self.limit_states[limit].counts()
 
 
 def _forwarded(name: str, otherwise: Extract) -> Extract:
@@ -254,6 +308,13 @@ class Limiting:
         self.client: Optional[Decision] = None
         self.key: Optional[Decision] = None
         self.quota: Optional[QuotaDecision] = None
+        # The key's slots and the live leases when the request asked for one.
+        self.slots: Optional[Tuple[int, int]] = None
+        # The slot refused (and enforced).
+        self.lease_refused: Optional[QagRefused] = None
+        # The clock (Unix seconds) a quota's refusal was decided by, for its fields:
+        # their ``t`` is then its ``retry-after``.
+        self.refused_at: Optional[int] = None
         self.lease: Any = None
         self.admitted: Optional[Admitted] = None
         self._ended = False
@@ -279,39 +340,90 @@ class Limiting:
             return Refusal("unavailable", max(int(self.config.back_off), 1))
 
     def _admit(self) -> Step:
-        client_bucket, key_bucket = self.client_bucket, self.key_bucket
-        if client_bucket is not None and key_bucket is not None:
+        client_bucket, key_bucket, quota = self.client_bucket, self.key_bucket, self.limits.quota
+        taken: Optional[TakenWithQuota] = None
+        if self.quota_key is not None and quota is not None:
+            taken = yield Call(
+                "take_with_quota", (client_bucket, key_bucket, self.quota_key, quota)
+            )
+            self.client, self.key = taken.client, taken.key
+            # Whatever the buckets say: a refusal shows what is left of the quota.
+            self.quota = taken.quota
+        elif client_bucket is not None and key_bucket is not None:
             pair = yield Call("take_pair", (client_bucket, key_bucket))
             self.client, self.key = pair.client, pair.key
         elif client_bucket is not None:
             self.client = yield Call("take", (client_bucket,))
         elif key_bucket is not None:
             self.key = yield Call("take", (key_bucket,))
+        self._count("client", self.client)
         if self.client is not None and not self.client.allowed:
-            return Refusal("client", self.client.retry_after)
-        if self.key is not None and not self.key.allowed:
+            if not self._shadowed("client"):
+                return Refusal("client", self.client.retry_after)
+            if key_bucket is not None and self.key is None:
+                # Let through: the key's bucket, which QAG.TAKE2 leaves alone behind a
+                # refusing client bucket, is taken on its own.
+                self.key = yield Call("take", (key_bucket,))
+        self._count("key", self.key)
+        if self.key is not None and not self.key.allowed and not self._shadowed("key"):
             yield from self._give_back()
             return Refusal("key", self.key.retry_after)
-        quota = self.limits.quota
-        if self.quota_key is not None and quota is not None:
-            check = yield Call("quota_check", (self.quota_key, quota))
-            self.quota = check
-            if not check.allowed:
+        if taken is not None:
+            check = taken.quota
+            if check is None:
+                assert taken.quota_error is not None
+                raise taken.quota_error
+            self._count("quota", check)
+            if not check.allowed and not self._shadowed("quota"):
                 yield from self._give_back()
                 exceeded = "calls" if check.calls_remaining == 0 else "rows"
-                wait = max(check.resets_at - int(time.time()), 0)
-                return Refusal("quota", wait, exceeded, check.resets_at)
+                self.refused_at = now = int(time.time())
+                return Refusal("quota", max(check.resets_at - now, 0), exceeded, check.resets_at)
         if self.api_key is not None and self.limits.max_concurrent is not None:
             slots = f"qag:running:{self.api_key}"
+            max_slots = self.limits.max_concurrent
             try:
                 self.lease = yield Call(
-                    "lease", (slots, self.limits.max_concurrent, self.config.lease_ttl_ms, self.id)
+                    "lease", (slots, max_slots, self.config.lease_ttl_ms, self.id)
                 )
-            except QagRefused:
-                yield from self._give_back()
-                return Refusal("concurrency")
+            except QagRefused as refused:
+                self._count("concurrency", refused)
+                self.slots = (max_slots, refused.live)
+                if not self._shadowed("concurrency"):
+                    self.lease_refused = refused
+                    yield from self._give_back()
+                    return Refusal("concurrency")
+            else:
+                self._count("concurrency", self.lease)
+                if self.lease.answered_by != "forwarded":
+                    self.slots = (max_slots, self.lease.live)
         self.admitted = Admitted(self.request_id, self.api_key, self.client, self.key, self.quota)
         return self.admitted
+
+    def _count(self, limit: str, decision: Any) -> None:
+        """Counts a limit's decision (a Decision, QuotaDecision, Lease or QagRefused); a
+        forwarded one counted nothing."""
+        if decision is None or decision.answered_by == "forwarded":
+            return
+        allowed = not isinstance(decision, QagRefused) and getattr(decision, "allowed", True)
+        self.config.limit_states[limit].count(allowed)
+
+    def _shadowed(self, limit: str) -> bool:
+        """A limit refused: True if it is in shadow (the refusal logged, a line a second
+        at most, and let through)."""
+        state = self.config.limit_states[limit]
+        if not state.shadow:
+            return False
+        with state.lock:
+            left_out = state.shadow_log.due(time.monotonic())
+        if left_out is not None:
+            log.warning(
+                "qag: shadow: the %s limit refused request %s and let it through%s",
+                limit,
+                self.request_id,
+                f" ({left_out} more since the last such line)" if left_out else "",
+            )
+        return True
 
     def _give_back(self) -> Step:
         """Gives back the tokens the buckets took from Redis for a request a later limit
@@ -332,7 +444,15 @@ class Limiting:
             setattr(self, side, _with_remaining(taken, refunded.remaining))
 
     def _headers(self, quota: Optional[QuotaDecision]) -> Fields:
-        return headers(self.client, self.key, quota, draft=self.config.draft_headers)
+        return headers(
+            self.client,
+            self.key,
+            quota,
+            self.lease_refused,
+            now=self.refused_at,
+            draft=self.config.draft_headers,
+            slots=self.slots,
+        )
 
     def refused(self, refusal: Refusal) -> Tuple[int, Fields, bytes]:
         """The refusal's status, header fields and body."""
@@ -358,7 +478,8 @@ class Limiting:
             else:
                 if self.quota is not None:
                     quota_after = self.quota.after(usage)
-        return self._headers(quota_after)
+        # Admitted: a refusal a limit in shadow let through asks no wait.
+        return [pair for pair in self._headers(quota_after) if pair[0] != "retry-after"]
 
     def ended(self) -> Step:
         """The response ended (its last body message, the client gone, or the app

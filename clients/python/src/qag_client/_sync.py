@@ -28,9 +28,10 @@ from ._driver import (
     Sleep,
     Stopped,
     named_after,
+    pipelined,
     pool_settings,
 )
-from ._engine import Request, RunScript, T
+from ._engine import Pipeline, Request, RunScript, T
 
 if TYPE_CHECKING:
     from typing import Concatenate, ParamSpec
@@ -265,6 +266,7 @@ class Limiter(Driver["Lease", "Reservation"]):
 
     take = _blocking(Driver._take)
     take_pair = _blocking(Driver._take_pair)
+    take_with_quota = _blocking(Driver._take_with_quota)
     peek = _blocking(Driver._peek)
     refund = _blocking(Driver._refund)
     renew = _blocking(Driver._renew)
@@ -361,6 +363,10 @@ def _close_idle(pool: Any) -> None:
 
 
 def _send(node: Node, request: Request, asking: bool) -> Any:
+    if isinstance(request, Pipeline):  # its commands in one round trip
+        pipe = node.client.pipeline(transaction=False)
+        node.pipeline(request, asking, pipe)
+        return pipelined(pipe.execute(raise_on_error=False), asking)
     if asking:  # ASK: ASKING, then the request, on one connection
         pipe = node.client.pipeline(transaction=False)
         pipe.execute_command("ASKING")

@@ -23,14 +23,16 @@ gone mid-stream), and rows reported while streaming are added then.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Dict, MutableMapping, Optional, Union
+from typing import Any, Awaitable, Callable, Dict, Iterable, MutableMapping, Optional, Union
 
 from ._async import AsyncLimiter
 from ._gateway import (
+    LIMITS,
     Admitted,
     Config,
     Extract,
     KeyLimits,
+    LimitCounts,
     Limiting,
     Rate,
     ReportRows,
@@ -73,7 +75,10 @@ class RateLimitMiddleware:
     ``header(name)`` or any function of ``RequestParts``; a request without one is
     limited by its address alone); ``key_limits``: a ``KeyLimits`` for every key, or a
     function returning each key's own; ``lease_ttl_ms``: how long a slot lives unless
-    renewed; ``draft_headers=False`` leaves out ``ratelimit-policy`` and ``ratelimit``."""
+    renewed; ``draft_headers=False`` leaves out ``ratelimit-policy`` and ``ratelimit``;
+    ``shadow``: limits ("client", "key", "quota", "concurrency") asked and counted as
+    usual whose refusals are let through, logged (a line a second at most) and counted
+    in ``limit_counts``, never answered 429: to try a limit on live traffic first."""
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class RateLimitMiddleware:
         key_limits: Union[KeyLimits, Callable[[str], KeyLimits], None] = None,
         lease_ttl_ms: int = 30_000,
         draft_headers: bool = True,
+        shadow: Iterable[str] = (),
     ) -> None:
         self.app = app
         self.limiter = limiter
@@ -99,7 +105,13 @@ class RateLimitMiddleware:
             key_limits,
             lease_ttl_ms,
             draft_headers,
+            shadow,
         )
+
+    def limit_counts(self, limit: str) -> LimitCounts:
+        """How ``limit`` ("client", "key", "quota" or "concurrency") answered since the
+        middleware was made: for metrics, and to watch a limit in shadow."""
+        return self.config.limit_counts(limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -147,8 +159,10 @@ class RateLimitMiddleware:
 
 
 __all__ = [
+    "LIMITS",
     "Admitted",
     "KeyLimits",
+    "LimitCounts",
     "RateLimitMiddleware",
     "ReportRows",
     "RequestParts",

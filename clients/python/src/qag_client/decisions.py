@@ -231,6 +231,31 @@ class QuotaDecision:
 
 
 @dataclass(frozen=True)
+class TakenWithQuota:
+    """A request's buckets and its quota's check, asked together (``take_with_quota``):
+    ``client`` and ``key`` the buckets' decisions (None where no bucket was given, and
+    the key's when the client's refused: not counted), ``quota`` the check (it counts
+    nothing), or None and ``quota_error`` the error the check met. A request a bucket
+    refused is answered by that refusal whatever the check says."""
+
+    client: Optional[Decision]
+    key: Optional[Decision]
+    quota: Optional[QuotaDecision]
+    quota_error: Optional[QagError] = None
+
+    @property
+    def buckets_allowed(self) -> bool:
+        return all(d.allowed for d in (self.client, self.key) if d is not None)
+
+    @property
+    def answered_by(self) -> str:
+        for decision in (self.client, self.key, self.quota):
+            if decision is not None:
+                return decision.answered_by
+        return "module"
+
+
+@dataclass(frozen=True)
 class Scope:
     """One scope of a sliding-window chain: its key, requests and tokens per window
     (0: no limit of that kind)."""

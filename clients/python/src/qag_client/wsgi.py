@@ -15,6 +15,7 @@ from ._gateway import (
     Config,
     Extract,
     KeyLimits,
+    LimitCounts,
     Limiting,
     Rate,
     RequestParts,
@@ -64,6 +65,7 @@ class RateLimitWSGI:
         key_limits: Union[KeyLimits, Callable[[str], KeyLimits], None] = None,
         lease_ttl_ms: int = 30_000,
         draft_headers: bool = True,
+        shadow: Iterable[str] = (),
     ) -> None:
         self.app = app
         self.limiter = limiter
@@ -76,7 +78,13 @@ class RateLimitWSGI:
             key_limits,
             lease_ttl_ms,
             draft_headers,
+            shadow,
         )
+
+    def limit_counts(self, limit: str) -> LimitCounts:
+        """How ``limit`` ("client", "key", "quota" or "concurrency") answered since the
+        middleware was made: for metrics, and to watch a limit in shadow."""
+        return self.config.limit_counts(limit)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         limiter = self.limiter
@@ -126,6 +134,7 @@ __all__ = [
     "Admitted",
     "ENVIRON_KEY",
     "KeyLimits",
+    "LimitCounts",
     "RateLimitWSGI",
     "RequestParts",
     "header",
