@@ -33,6 +33,7 @@ from ._driver import (
     named_after,
     pipelined,
     pool_settings,
+    stale,
 )
 from ._engine import Pipeline, Request, RunScript, T
 
@@ -60,6 +61,10 @@ def _tracked(connection_class: type) -> type:
             round_trip = _ROUND_TRIP.get()
             if round_trip is not None:
                 round_trip.write(asyncio.get_running_loop().time())
+            if stale(self):  # made before its node was found demoted: made again
+                self.qag_epoch = None  # (the handshake's own commands send through here)
+                await self.disconnect()
+                await self.connect()
             return await super().send_packed_command(*args, **kwargs)
 
     Tracked.__name__ = Tracked.__qualname__ = f"Tracked{connection_class.__name__}"
@@ -274,6 +279,8 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
             return await _acquire(effect, loop)
         if isinstance(effect, Sleep):
             await asyncio.sleep(effect.seconds)
+        elif isinstance(effect, Dropped) and effect.demoted:
+            effect.node.epoch.count += 1
         elif isinstance(effect, Dropped):
             # redis-py 8's asyncio pool hands pooled connections out unchecked.
             await _close_idle(effect.node, effect.until - loop.time())
@@ -285,7 +292,11 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
         return asyncio.get_running_loop().time()
 
     def _own_client(
-        self, client: Any, deadline: float, max_connections: int, connected: Callable[[], None]
+        self,
+        client: Any,
+        deadline: float,
+        max_connections: int,
+        connected: Callable[[Any], None],
     ) -> Tuple[Any, Any]:
         pool = client.connection_pool
         user_hook = pool.connection_kwargs.get("redis_connect_func")
@@ -297,7 +308,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
                 await user_hook(connection)
             else:
                 user_hook(connection)
-            connected()
+            connected(connection)
 
         own_pool = redis.asyncio.BlockingConnectionPool(
             connection_class=_tracked(pool.connection_class),

@@ -121,8 +121,9 @@ class Acquire(NamedTuple):
 class Dropped(NamedTuple):
     """A connection to the node dropped: the server restarted, most likely, so its other
     pooled connections are dead too (closed by ``until`` where the client library would
-    hand them out unchecked); ``demoted``: it answered READONLY, a replica now, so every
-    idle connection to it is closed, and the next reach the address afresh."""
+    hand them out unchecked); ``demoted``: it answered READONLY, a replica now: the
+    node's ``Epoch`` moves on, so every connection made before is made again before it
+    is next used (by the call that holds it: none is closed under another call)."""
 
     node: "Node"
     until: float
@@ -253,16 +254,37 @@ class Background(Protocol):
         """Stops it (``wait``: and waits for it to end where that can block)."""
 
 
+class Epoch:
+    """How many times a node's address was found serving a demoted primary (READONLY):
+    a connection made before the last time reaches the old primary, and is made again,
+    by the call that holds it, before it sends (``stamp``, ``stale``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def stamp(connection: Any, epoch: Epoch) -> None:
+    """Notes, on a connection just made, the epoch it was made in."""
+    connection.qag_epoch = (epoch, epoch.count)
+
+
+def stale(connection: Any) -> bool:
+    """Whether a connection was made before its node was last found demoted."""
+    made = getattr(connection, "qag_epoch", None)
+    return made is not None and made[1] != made[0].count
+
+
 class Node:
     """One server: the limiter's own client for it, the gate to that client's pool, its
-    scripts, and the engine with the server's state (module presence, back-off, local
-    counts)."""
+    scripts, the epoch of its connections, and the engine with the server's state
+    (module presence, back-off, local counts)."""
 
-    def __init__(self, name: str, client: Any, gate: Any, engine: Engine) -> None:
+    def __init__(self, name: str, client: Any, gate: Any, engine: Engine, epoch: Epoch) -> None:
         self.name = name
         self.client = client
         self.gate = gate
         self.engine = engine
+        self.epoch = epoch
         self.scripts = {
             "bucket": client.register_script(TOKEN_BUCKET_LUA),
             "refund": client.register_script(TOKEN_REFUND_LUA),
@@ -416,9 +438,15 @@ class Driver(Generic[LeaseT, ReservationT]):
         def make(name: str) -> Node:
             engine = Engine(*options)
             base = client if cluster is None else self._node_client(cluster, name)
-            own, gate = self._own_client(base, deadline, max_connections, engine.forget_presence)
+            epoch = Epoch()
+
+            def connected(connection: Any) -> None:
+                stamp(connection, epoch)
+                engine.forget_presence()
+
+            own, gate = self._own_client(base, deadline, max_connections, connected)
             engine.on_outage = gate.interrupt
-            node = Node(name, own, gate, engine)
+            node = Node(name, own, gate, engine, epoch)
 
             def start_probe() -> None:
                 self._spawn(self._probe(node), f"qag-probe {name}")
@@ -440,11 +468,16 @@ class Driver(Generic[LeaseT, ReservationT]):
         raise NotImplementedError
 
     def _own_client(
-        self, client: Any, deadline: float, max_connections: int, connected: Callable[[], None]
+        self,
+        client: Any,
+        deadline: float,
+        max_connections: int,
+        connected: Callable[[Any], None],
     ) -> Tuple[Any, Any]:
         """The client the limiter talks through to one server, made from ``client``'s
         settings (``pool_settings``), with a pool of ``max_connections`` of its own, and
-        the gate to that pool. The caller's client is left as it is."""
+        the gate to that pool; ``connected`` is told of every connection it makes, once
+        made. The caller's client is left as it is."""
         raise NotImplementedError
 
     def _node_client(self, cluster: Any, name: str) -> Any:

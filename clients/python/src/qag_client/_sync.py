@@ -30,6 +30,7 @@ from ._driver import (
     named_after,
     pipelined,
     pool_settings,
+    stale,
 )
 from ._engine import Pipeline, Request, RunScript, T
 
@@ -75,6 +76,10 @@ def _bounded(connection_class: type) -> type:
             round_trip = _ROUND_TRIP.get()
             if round_trip is not None:
                 round_trip.write(time.monotonic())
+            if stale(self):  # made before its node was found demoted: made again
+                self.qag_epoch = None  # (the handshake's own commands send through here)
+                self.disconnect()
+                self.connect()
             self._bound()
             return super().send_packed_command(*args, **kwargs)
 
@@ -319,14 +324,18 @@ class Limiter(Driver["Lease", "Reservation"]):
         elif isinstance(effect, Disconnect):
             effect.node.client.connection_pool.disconnect()
         elif isinstance(effect, Dropped) and effect.demoted:
-            _close_idle(effect.node.client.connection_pool)
+            effect.node.epoch.count += 1
         # Dropped otherwise: the blocking pool checks a connection before it hands it out.
         return None
 
     _now = staticmethod(time.monotonic)
 
     def _own_client(
-        self, client: Any, deadline: float, max_connections: int, connected: Callable[[], None]
+        self,
+        client: Any,
+        deadline: float,
+        max_connections: int,
+        connected: Callable[[Any], None],
     ) -> Tuple[Any, Any]:
         # Each call bounded by what is left of its deadline, and waiting at most its
         # deadline for a connection.
@@ -338,7 +347,7 @@ class Limiter(Driver["Lease", "Reservation"]):
                 connection.on_connect()
             else:
                 user_hook(connection)
-            connected()
+            connected(connection)
 
         own_pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             connection_class=_bounded(pool.connection_class),
@@ -351,15 +360,6 @@ class Limiter(Driver["Lease", "Reservation"]):
     def _node_client(self, cluster: Any, name: str) -> Any:
         host, _, port = name.rpartition(":")
         return redis.Redis(host=host, port=int(port), **cluster.nodes_manager.connection_kwargs)
-
-
-def _close_idle(pool: Any) -> None:
-    """Closes the pool's connections no call holds (redis-py 5's blocking pool closes
-    them all: a call whose connection closes under it meets a dropped one)."""
-    try:
-        pool.disconnect(inuse_connections=False)
-    except TypeError:
-        pool.disconnect()
 
 
 def _send(node: Node, request: Request, asking: bool) -> Any:
