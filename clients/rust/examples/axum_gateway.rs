@@ -6,7 +6,10 @@
 //!   --redis redis://127.0.0.1:6379/ --listen 127.0.0.1:8080 [--client-limit 20/1] \
 //!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000 --quota-per month \
 //!   --quota-tz Europe/Berlin] [--tpm 100000 [--rpm 60]] [--shadow key,quota,...] \
-//!   [--policy raise|forward|local] [--back-off 5]
+//!   [--policy raise|forward|local] [--back-off 5] [--wait 500]
+//!
+//! `--wait MS`: a request waits up to MS milliseconds for its buckets' tokens and its
+//! slot instead of a 429 (its `server-timing` says how long).
 //!
 //! GET /v1/query?key=K[&work_ms=N][&chunks=N][&reserve=T][&tokens=A]: a small JSON body
 //! after work_ms, or a body streamed in `chunks` pieces over work_ms. With `--tpm`, the
@@ -170,6 +173,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for &limit in &args.shadow {
         limits = limits.shadow(limit);
     }
+    if let Some(wait) = args.wait {
+        for limit in [LimitName::Client, LimitName::Key, LimitName::Concurrency] {
+            limits = limits.wait(limit, wait);
+        }
+    }
     let watched = limits.clone();
     let app = Router::new()
         .route("/v1/query", get(query))
@@ -200,6 +208,7 @@ struct Args {
     shadow: Vec<LimitName>,
     policy: OnUnavailable,
     back_off: Duration,
+    wait: Option<Duration>,
 }
 
 impl Args {
@@ -216,6 +225,7 @@ impl Args {
             shadow: Vec::new(),
             policy: OnUnavailable::Raise,
             back_off: Options::default().back_off,
+            wait: None,
         };
         let (mut calls, mut per, mut zone) = (None, Per::Month, "UTC".to_string());
         while let Some(flag) = words.next() {
@@ -228,6 +238,7 @@ impl Args {
                 "--key-limit" => args.key_limit = Some(rate(&value)?),
                 "--max-concurrent" => args.max_concurrent = Some(number("--max-concurrent")?),
                 "--rpm" => args.rpm = number("--rpm")?,
+                "--wait" => args.wait = Some(Duration::from_millis(number("--wait")?)),
                 "--tpm" => args.tpm = Some(number("--tpm")?),
                 "--shadow" => {
                     for name in value.split(',') {

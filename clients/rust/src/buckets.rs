@@ -1,7 +1,7 @@
 //! Token buckets: QAG.TAKE, QAG.TAKE2 and QAG.PEEK where the module is, the script (and
 //! a read for PEEK) where it is not, and the answers of the outage policy.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use qag_core::bucket::{self, Limit, TakeArgs};
 use redis::aio::ConnectionLike;
@@ -93,6 +93,7 @@ impl BucketCall {
             remaining: self.count,
             retry_after: RetryAfter::Seconds(0),
             answered_by: AnsweredBy::Forwarded,
+            waited: Duration::ZERO,
         }
     }
 
@@ -113,6 +114,7 @@ impl BucketCall {
             remaining: verdict.tokens_left.max(0) as u64,
             retry_after: RetryAfter::from_reply(verdict.retry_after).unwrap_or(RetryAfter::Never),
             answered_by: AnsweredBy::Local,
+            waited: Duration::ZERO,
         }
     }
 
@@ -390,7 +392,7 @@ where
         check: &QuotaCheck<'_>,
     ) -> Result<TakenWithQuota, Error> {
         let id = self.request_id();
-        let take = match (client, key) {
+        let mut take = match (client, key) {
             (Some(client), Some(key)) => pair_command(client, key, id),
             (Some(call), None) | (None, Some(call)) => call.take_command(id),
             (None, None) => {
@@ -403,19 +405,20 @@ where
             }
         };
         if self.path().await? == Path::Module {
+            self.wait_words(&mut take);
             let mut pipe = redis::pipe();
             pipe.add_command(take)
                 .add_command(check.command())
                 .ignore_errors();
             let pipe = &pipe;
-            // Replayed as an admission and a read are.
-            let mut replies = self
-                .replayed(|mut con| async move {
+            // Replayed as an admission and a read are (but for a wait).
+            let sent = self.sent_waiting(
+                |mut con| async move {
                     read_only_surfaced(pipe.query_async::<Vec<Value>>(&mut con).await)
-                })
-                .await
-                .map_err(failure_error)?
-                .into_iter();
+                },
+                true,
+            );
+            let mut replies = sent.await.map_err(failure_error)?.into_iter();
             let (Some(taken), Some(quota)) = (replies.next(), replies.next()) else {
                 return Err(Error::Server("a pipeline of two replies, got fewer".into()));
             };
@@ -603,10 +606,14 @@ where
 
     async fn take_remote(&self, call: &BucketCall, id: Option<&str>) -> Result<Decision, Error> {
         if self.path().await? == Path::Module {
-            match self
-                .query_replayable::<Vec<i64>>(&call.take_command(id))
-                .await
-            {
+            let mut command = call.take_command(id);
+            self.wait_words(&mut command);
+            let command = &command;
+            let sent = self.sent_waiting(
+                |mut con| async move { command.query_async::<Vec<i64>>(&mut con).await },
+                true,
+            );
+            match sent.await {
                 Ok(reply) => return self.decided(call, &reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }
@@ -621,11 +628,18 @@ where
         id: Option<&str>,
     ) -> Result<PairDecision, Error> {
         if self.path().await? == Path::Module {
-            let command = pair_command(client, key, id);
-            match self
-                .query_replayable::<(Vec<i64>, Option<Vec<i64>>)>(&command)
-                .await
-            {
+            let mut command = pair_command(client, key, id);
+            self.wait_words(&mut command);
+            let command = &command;
+            let sent = self.sent_waiting(
+                |mut con| async move {
+                    command
+                        .query_async::<(Vec<i64>, Option<Vec<i64>>)>(&mut con)
+                        .await
+                },
+                true,
+            );
+            match sent.await {
                 Ok(reply) => return self.pair_decided(client, key, reply),
                 Err(failure) => self.module_failed(failure)?,
             }

@@ -1,6 +1,7 @@
 //! What the limiter answers, as plain values, and how a server's reply becomes one.
 
 use std::fmt;
+use std::time::Duration;
 
 /// Which path answered a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -94,17 +95,25 @@ pub struct Decision {
     /// Until the cost fits: 0 s when allowed, `Never` for a cost above the count.
     pub retry_after: RetryAfter,
     pub answered_by: AnsweredBy,
+    /// How long the server held the call for its tokens (`Limiter::with_wait`): zero for
+    /// one answered at once.
+    pub waited: Duration,
 }
 
 impl Decision {
-    /// A decision from QAG.TAKE's (or the script's) reply `[allowed, left, retry]`.
+    /// A decision from QAG.TAKE's (or the script's) reply `[allowed, left, retry]`, or
+    /// with WAIT `[allowed, left, retry, waited_ms]`.
     pub fn from_reply(
         reply: &[i64],
         limit: u64,
         period: f64,
         answered_by: AnsweredBy,
     ) -> Result<Decision, String> {
-        match *reply {
+        let (verdict, waited) = match reply {
+            [verdict @ .., waited] if reply.len() == 4 => (verdict, *waited),
+            _ => (reply, 0),
+        };
+        match *verdict {
             [allowed @ (0 | 1), left, retry] if left >= 0 && retry >= -1 => Ok(Decision {
                 allowed: allowed == 1,
                 limit,
@@ -112,8 +121,11 @@ impl Decision {
                 remaining: left as u64,
                 retry_after: RetryAfter::from_reply(retry)?,
                 answered_by,
+                waited: Duration::from_millis(non_negative(waited, "waited")?),
             }),
-            _ => Err(format!("a bucket reply of three integers, got {reply:?}")),
+            _ => Err(format!(
+                "a bucket reply of three integers (four with WAIT), got {reply:?}"
+            )),
         }
     }
 
@@ -279,6 +291,8 @@ pub struct LeaseRefusal {
     /// Before asking again (1 s: leases are released at any time).
     pub retry_after: RetryAfter,
     pub answered_by: AnsweredBy,
+    /// How long the call waited for a slot before it was refused (`Limiter::with_wait`).
+    pub waited: Duration,
 }
 
 fn non_negative(value: i64, what: &str) -> Result<u64, String> {

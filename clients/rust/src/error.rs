@@ -80,6 +80,10 @@ pub enum Error {
     /// (the module would answer CROSSSLOT, the script would run them apart). Give them
     /// a common hash tag; for a pair, or choose [`CrossSlot::TwoCalls`](crate::CrossSlot).
     CrossSlot(String),
+    /// A waiting call found no connection of the limiter's for waits free within its
+    /// deadline ([`Options::max_waiting`](crate::Options) wait already): this process's
+    /// back-pressure, never an outage (nothing was sent).
+    Busy(String),
 }
 
 impl Error {
@@ -102,7 +106,7 @@ impl fmt::Display for Error {
             ),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
             Error::Server(why) => write!(f, "the server answered an error: {why}"),
-            Error::CrossSlot(why) => write!(f, "{why}"),
+            Error::CrossSlot(why) | Error::Busy(why) => write!(f, "{why}"),
         }
     }
 }

@@ -32,6 +32,8 @@
 //! longest wait), else the one with the fewest remaining (on a tie, the one restored
 //! later, then the order they are asked in).
 
+use std::time::Duration;
+
 use crate::decision::{
     Admission, AnsweredBy, Decision, LeaseRefusal, PairDecision, QuotaDecision, Scope,
 };
@@ -174,7 +176,8 @@ struct Chain<'a> {
 /// # use qag_client::{headers::Headers, AnsweredBy, Decision, RetryAfter};
 /// let key = Decision { allowed: false, limit: 60, period: 60.0, remaining: 0,
 ///                      retry_after: RetryAfter::Seconds(3),
-///                      answered_by: AnsweredBy::Module };
+///                      answered_by: AnsweredBy::Module,
+///                      waited: std::time::Duration::ZERO };
 /// let fields = Headers::new().key(&key).without_draft().fields();
 /// assert_eq!(fields, [("x-ratelimit-key-limit", "60".to_string()),
 ///                     ("x-ratelimit-key-remaining", "0".to_string()),
@@ -191,6 +194,8 @@ pub struct Headers<'a> {
     /// Unix milliseconds.
     now: Option<i64>,
     draft: bool,
+    /// How long the request's slot waited (its buckets' waits are in their decisions).
+    slot_waited: Duration,
 }
 
 impl Default for Headers<'_> {
@@ -210,6 +215,7 @@ impl<'a> Headers<'a> {
             chain: None,
             now: None,
             draft: true,
+            slot_waited: Duration::ZERO,
         }
     }
 
@@ -247,6 +253,14 @@ impl<'a> Headers<'a> {
     /// Leave it out for a slot the `Forward` policy answered (it counted nothing).
     pub fn slots(mut self, max: u64, live: u64) -> Self {
         self.slots = Some(Slots { max, live });
+        self
+    }
+
+    /// How long the request waited for its slot ([`LeaseGuard::waited`](crate::LeaseGuard),
+    /// or a refusal's): with its buckets' waits, the `server-timing` field's
+    /// `qag-wait;dur=<ms>`.
+    pub fn slot_waited(mut self, waited: Duration) -> Self {
+        self.slot_waited = waited;
         self
     }
 
@@ -455,6 +469,18 @@ fn render(request: &Headers<'_>) -> Vec<(&'static str, String)> {
         limits.sort_by_key(Limit::restrictiveness);
         let service: Vec<String> = limits.iter().map(Limit::service_item).collect();
         fields.push(("ratelimit", service.join(", ")));
+    }
+    // How long the server held the request (`WAIT`): its buckets' wait (one, taken
+    // together) and its slot's.
+    let buckets = [request.client, request.key]
+        .into_iter()
+        .flatten()
+        .map(|decision| decision.waited)
+        .max()
+        .unwrap_or_default();
+    let waited = (buckets + request.slot_waited).as_millis();
+    if waited > 0 {
+        fields.push(("server-timing", format!("qag-wait;dur={waited}")));
     }
     if let Some(wait) = retry_after {
         fields.push(("retry-after", wait.to_string()));

@@ -21,7 +21,9 @@ use crate::local::share_of;
 use crate::mutex::lock;
 
 /// What [`Limiter::lease`] answers: the slot, or the refusal when every slot is held.
+/// (One is made a request and matched at once: the guard is not boxed.)
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Lease<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -68,6 +70,8 @@ where
     released: bool,
     /// The key's live leases when this one was taken, this one included.
     live: u64,
+    /// How long the server held the LEASE for a slot (`Limiter::with_wait`).
+    waited: Duration,
 }
 
 impl<C> std::fmt::Debug for LeaseGuard<C>
@@ -95,9 +99,11 @@ where
         ttl: Duration,
         answered_by: AnsweredBy,
     ) -> Self {
-        // Renewals and releases get the whole deadline each, not what the acquire left.
+        // Renewals and releases get the whole deadline each, not what the acquire left,
+        // and never wait.
         let mut limiter = limiter.clone();
         limiter.options.deadline = limiter.shared.deadline;
+        limiter.wait = None;
         let (report_lost, lost) = watch::channel(false);
         let renewed = Arc::new(Renewals::default());
         let renewals = (answered_by == AnsweredBy::Module).then(|| {
@@ -121,12 +127,20 @@ where
             lost,
             released: false,
             live: 0,
+            waited: Duration::ZERO,
         }
     }
 
-    fn taken_among(mut self, live: u64) -> Self {
+    fn taken_among(mut self, live: u64, waited: Duration) -> Self {
         self.live = live;
+        self.waited = waited;
         self
+    }
+
+    /// How long the server held the LEASE before it was given a slot (zero for one
+    /// given at once; see [`Limiter::with_wait`]).
+    pub fn waited(&self) -> Duration {
+        self.waited
     }
 
     /// The key's live leases when this one was taken, this one included (0 for a slot
@@ -364,13 +378,19 @@ where
                 return Err(Error::ModuleRequired);
             }
             maybe_held.store(true, Ordering::Release);
-            let command = cmd("QAG.LEASE")
+            let mut command = cmd("QAG.LEASE")
                 .arg(key)
                 .arg(&max_text)
                 .arg(&ttl_ms)
                 .arg(id)
                 .to_owned();
-            let reply = match this.query::<Vec<i64>>(&command).await {
+            this.wait_words(&mut command);
+            let command = &command;
+            let sent = this.sent_waiting(
+                |mut con| async move { command.query_async::<Vec<i64>>(&mut con).await },
+                false,
+            );
+            let reply = match sent.await {
                 Ok(reply) => reply,
                 Err(Failure::UnknownCommand) => {
                     maybe_held.store(false, Ordering::Release);
@@ -385,22 +405,32 @@ where
                 }
             };
             maybe_held.store(false, Ordering::Release);
-            if let [_, live, _] = *reply {
-                let now = unix_micros() as f64 / 1e6;
-                let ttl_ms = ttl.as_millis().min(u128::from(u64::MAX)) as u64;
-                lock(&this.node.local)
-                    .leases
-                    .saw(key, live.max(0) as u64, ttl_ms, now);
-            }
-            match *reply {
+            let (reply, waited) = match reply[..] {
+                [acquired, live, retry, waited] => ([acquired, live, retry], waited),
+                [acquired, live, retry] => ([acquired, live, retry], 0),
+                _ => {
+                    return Err(Error::Server(
+                        format!("a QAG.LEASE reply, got {reply:?}").into(),
+                    ))
+                }
+            };
+            let waited = Duration::from_millis(waited.max(0) as u64);
+            let [_, live, _] = reply;
+            let now = unix_micros() as f64 / 1e6;
+            let ttl_ms = ttl.as_millis().min(u128::from(u64::MAX)) as u64;
+            lock(&this.node.local)
+                .leases
+                .saw(key, live.max(0) as u64, ttl_ms, now);
+            match reply {
                 [1, live, _] => Ok(Lease::Held(
                     LeaseGuard::new(this, key, id, ttl, AnsweredBy::Module)
-                        .taken_among(live.max(0) as u64),
+                        .taken_among(live.max(0) as u64, waited),
                 )),
                 [0, live, retry] => Ok(Lease::Refused(LeaseRefusal {
                     live: live.max(0) as u64,
                     retry_after: RetryAfter::Seconds(retry.max(0) as u64),
                     answered_by: AnsweredBy::Module,
+                    waited,
                 })),
                 _ => Err(Error::Server(
                     format!("a QAG.LEASE reply, got {reply:?}").into(),
@@ -427,13 +457,14 @@ where
                                 let live = state.leases.live(key, share, now);
                                 Lease::Held(
                                     LeaseGuard::new(this, key, id, ttl, AnsweredBy::Local)
-                                        .taken_among(live),
+                                        .taken_among(live, Duration::ZERO),
                                 )
                             }
                             Err(live) => Lease::Refused(LeaseRefusal {
                                 live,
                                 retry_after: RetryAfter::Seconds(1),
                                 answered_by: AnsweredBy::Local,
+                                waited: Duration::ZERO,
                             }),
                         }
                     }

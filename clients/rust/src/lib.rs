@@ -28,6 +28,7 @@ mod quotas;
 mod reservations;
 #[cfg(feature = "tower")]
 pub mod tower;
+mod waiting;
 mod windows;
 
 pub use decision::{

@@ -21,6 +21,7 @@ use crate::local::LocalState;
 use crate::mutex::lock;
 use crate::nodes::ClusterNodes;
 use crate::policy::{Counts, OnUnavailable, Outage, Route};
+use crate::waiting::WaitConnections;
 
 /// The repository's token-bucket script, compiled in: the module's contract, one text.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
@@ -63,6 +64,10 @@ pub struct Options {
     pub recheck_missing_module: Duration,
     /// On a cluster, a `take_pair` whose buckets are in two slots.
     pub cross_slot: CrossSlot,
+    /// How many calls may wait at once ([`Limiter::with_wait`]), each on a connection of
+    /// its own; a call beyond them waits for one within its deadline, then is
+    /// [`Error::Busy`].
+    pub max_waiting: usize,
 }
 
 /// What `take_pair` does on a cluster with buckets in two slots (QAG.TAKE2 would answer
@@ -89,6 +94,7 @@ impl Default for Options {
             local_share: 1.0,
             recheck_missing_module: Duration::from_secs(10),
             cross_slot: CrossSlot::Error,
+            max_waiting: 100,
         }
     }
 }
@@ -153,6 +159,9 @@ pub(crate) struct Link<C> {
     /// A new connection to the same address (None: only the caller could make one).
     fresh: Option<Box<dyn Fn() -> Option<C> + Send + Sync>>,
     ping: fn(C, String) -> Pinged,
+    /// Connections for waiting calls (None: the caller gave the connection; the limiter
+    /// cannot make others).
+    waits: Option<WaitConnections>,
 }
 
 impl<C: ConnectionLike + Clone + Send + 'static> Link<C> {
@@ -161,6 +170,7 @@ impl<C: ConnectionLike + Clone + Send + 'static> Link<C> {
             con: Mutex::new((con, 0)),
             fresh: None,
             ping: ping_any::<C>,
+            waits: None,
         }
     }
 
@@ -206,6 +216,9 @@ pub struct Limiter<C> {
     /// What is left of one request's time with Redis, shared by every call of this view
     /// (see [`Limiter::for_request`]); None: each call has the deadline.
     pub(crate) budget: Option<Arc<Mutex<Duration>>>,
+    /// How long this view's takes and leases wait for their turn (see
+    /// [`Limiter::with_wait`]).
+    pub(crate) wait: Option<Duration>,
 }
 
 impl<C: Clone> Clone for Limiter<C> {
@@ -217,6 +230,7 @@ impl<C: Clone> Clone for Limiter<C> {
             node: self.node.clone(),
             id: self.id.clone(),
             budget: self.budget.clone(),
+            wait: self.wait,
         }
     }
 }
@@ -363,6 +377,12 @@ impl Limiter<ConnectionManager> {
         let con = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
             .map_err(|error| failure_error(classify(&error)))?;
         let mut link = Link::new(con);
+        let info = client.get_connection_info().clone();
+        link.waits = Some(WaitConnections::new(
+            Box::new(move |_| Ok(info.clone())),
+            options.max_waiting.max(1),
+            options.deadline,
+        ));
         // After READONLY: a new connection to the URL, which a failover (DNS, a proxy, a
         // managed service's endpoint) may have moved to the new primary.
         link.fresh = Some(Box::new(move || {
@@ -385,8 +405,14 @@ impl Limiter<ClusterNodes> {
         let nodes = ClusterNodes::new(seeds.to_vec(), options.deadline)
             .map_err(|error| Error::InvalidArgument(format!("cluster seeds {seeds:?}: {error}")))?;
         let topology = nodes.topology();
+        let address = nodes.address();
         let mut link = Link::new(nodes);
         link.ping = |nodes, node| Box::pin(async move { nodes.ping(&node).await });
+        link.waits = Some(WaitConnections::new(
+            address,
+            options.max_waiting.max(1),
+            options.deadline,
+        ));
         Ok(Limiter::with_link(link, options, topology))
     }
 }
@@ -424,6 +450,7 @@ where
             shared,
             id: None,
             budget: None,
+            wait: None,
         }
     }
 
@@ -452,6 +479,38 @@ where
         let mut limiter = self.clone();
         limiter.budget = Some(Arc::new(Mutex::new(self.options.deadline)));
         limiter
+    }
+
+    /// This limiter with calls that wait up to `wait` for their turn (`WAIT ms`, module
+    /// 0.5.0): `take`, `take_pair`, `take_with_quota` and `lease` that would be refused
+    /// now but whose tokens (or a slot) come within `wait` are held by the server and
+    /// answered then, in arrival order across every gateway instance (their answers say
+    /// how long they waited: [`Decision::waited`](crate::Decision)); one that cannot be
+    /// served within `wait` is refused at once, as without it. Each such call's deadline
+    /// is its wait plus the usual deadline, and it is sent on a connection of its own
+    /// (the shared one would stall every call behind it), from a pool of
+    /// [`Options::max_waiting`]; a wait cut short (its deadline, or the call's future
+    /// dropped) closes its connection, and the server gives back what it was charged.
+    /// Without the module (the script) calls answer at once, as without `wait`. At most
+    /// 60 s; [`Error::InvalidArgument`] beyond, or for a limiter made with
+    /// [`Limiter::new`] (on the caller's connection: it cannot make others).
+    pub fn with_wait(&self, wait: Duration) -> Result<Limiter<C>, Error> {
+        if self.link.waits.is_none() {
+            return Err(Error::InvalidArgument(
+                "waiting calls need connections of their own: make the limiter with \
+                 Limiter::connect or Limiter::connect_cluster"
+                    .into(),
+            ));
+        }
+        let most = Duration::from_millis(qag_core::wait::MAX_WAIT_MS as u64);
+        if wait > most {
+            return Err(Error::InvalidArgument(format!(
+                "wait must be at most {most:?}, not {wait:?}"
+            )));
+        }
+        let mut limiter = self.clone();
+        limiter.wait = Some(wait);
+        Ok(limiter)
     }
 
     /// The caller's request id, if [`Limiter::with_id`] gave one.
@@ -719,17 +778,19 @@ where
             Some(left) => self.options.deadline.min(*lock(left)),
             None => self.options.deadline,
         };
+        // A call that may wait has its wait on top (the server holds it, on purpose).
+        let wait = self.wait.unwrap_or_default();
         let started = Instant::now();
         let answer = if window.is_zero() {
             Err(Error::Timeout)
         } else {
-            answered_within(window, call)
+            answered_within(window + wait, call)
                 .await
                 .unwrap_or(Err(Error::Timeout))
         };
         if let Some(left) = &self.budget {
             let mut left = lock(left);
-            *left = left.saturating_sub(started.elapsed());
+            *left = left.saturating_sub(started.elapsed().saturating_sub(wait));
         }
         if answer.as_ref().is_err_and(Error::is_unavailable) {
             self.forget_presence();
@@ -917,6 +978,80 @@ where
                     .map_err(|error| classify(&error))
             }
             answer => answer.map_err(|error| classify(&error)),
+        }
+    }
+}
+
+impl<C> Limiter<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// `words` with `WAIT ms` after them when this view waits.
+    pub(crate) fn wait_words(&self, command: &mut Cmd) {
+        if let Some(wait) = self.wait {
+            command
+                .arg("WAIT")
+                .arg(wait.as_millis().min(u128::from(u64::MAX)) as u64);
+        }
+    }
+
+    /// `send` on a connection of its own when this view waits (`with_wait`: a wait cut
+    /// short closes its connection, and the server gives back: never sent again), else
+    /// on the shared one as [`Limiter::sent`] sends it.
+    pub(crate) async fn sent_waiting<T, F, Fut>(
+        &self,
+        send: F,
+        replayable: bool,
+    ) -> Result<T, Failure>
+    where
+        F: Fn(WaitSend<C>) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        match (self.wait, &self.link.waits) {
+            (Some(_), Some(waits)) => {
+                let queue = self.options.deadline;
+                waits
+                    .send(&self.node.name, queue, |con| send(WaitSend::Own(con)))
+                    .await
+            }
+            _ => {
+                self.sent(|con| send(WaitSend::Shared(con)), replayable)
+                    .await
+            }
+        }
+    }
+}
+
+/// The connection a call that may wait is sent on: one of its own, or the shared one.
+pub(crate) enum WaitSend<C> {
+    Own(redis::aio::MultiplexedConnection),
+    Shared(C),
+}
+
+impl<C: ConnectionLike + Send> ConnectionLike for WaitSend<C> {
+    fn req_packed_command<'a>(&'a mut self, command: &'a Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            WaitSend::Own(con) => con.req_packed_command(command),
+            WaitSend::Shared(con) => con.req_packed_command(command),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            WaitSend::Own(con) => con.req_packed_commands(pipeline, offset, count),
+            WaitSend::Shared(con) => con.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            WaitSend::Own(con) => con.get_db(),
+            WaitSend::Shared(con) => con.get_db(),
         }
     }
 }

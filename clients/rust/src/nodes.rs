@@ -103,6 +103,33 @@ impl ClusterNodes {
         reply.map(drop)
     }
 
+    /// Where each node is for a connection of its own (a waiting call's): the first
+    /// seed's settings at the node's address (the first seed's own while the slot table
+    /// is not known).
+    pub(crate) fn address(&self) -> crate::waiting::Address {
+        let (settings, first) = (self.router.settings.clone(), self.router.seeds[0].clone());
+        Box::new(move |node| {
+            let node = if node.is_empty() {
+                first.as_str()
+            } else {
+                node
+            };
+            let (host, port) = node
+                .rsplit_once(':')
+                .and_then(|(host, port)| Some((host, port.parse::<u16>().ok()?)))
+                .ok_or_else(|| {
+                    RedisError::from((
+                        ErrorKind::Parse,
+                        "a node address",
+                        format!("{node:?} is not host:port"),
+                    ))
+                })?;
+            Ok(settings
+                .clone()
+                .set_addr(ConnectionAddr::Tcp(host.to_owned(), port)))
+        })
+    }
+
     /// The slot table, shared with the limiter that reads it.
     pub(crate) fn topology(&self) -> Arc<Mutex<Topology>> {
         self.router.topology.clone()

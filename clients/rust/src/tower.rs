@@ -98,6 +98,8 @@ pub struct LimitCounts {
 #[derive(Default)]
 struct LimitState {
     shadow: bool,
+    /// How long a request may wait for this limit's turn (`WAIT`) instead of a 429.
+    wait: Option<Duration>,
     allowed: AtomicU64,
     refused: AtomicU64,
     /// Refusals let through in shadow: one line a second.
@@ -245,6 +247,20 @@ where
         self.with(|config| config.limits[limit.index()].shadow = true)
     }
 
+    /// Lets a request wait up to `wait` for `limit`'s turn instead of a 429 (a bucket's
+    /// tokens, a concurrency slot: [`Limiter::with_wait`]), in arrival order across every
+    /// gateway instance; the 429 comes only when the wait cannot fit, with the same body
+    /// and headers as without it, and a request that waited says how long in its
+    /// `server-timing` field (`qag-wait;dur=<ms>`). A request's two buckets are taken
+    /// together, waiting up to the longer of their waits. The quota never waits (a
+    /// period's calls do not come back). The layer's limiter must be made with
+    /// `Limiter::connect` or `Limiter::connect_cluster` (waits need connections of their
+    /// own): else, and for a wait above 60 s, requests answer at once, and each such
+    /// request logs why (a line a second at most).
+    pub fn wait(self, limit: LimitName, wait: Duration) -> Self {
+        self.with(|config| config.limits[limit.index()].wait = Some(wait))
+    }
+
     /// How `limit` answered since the layer was made: for metrics, and to watch a limit
     /// in shadow before enforcing it.
     pub fn limit_counts(&self, limit: LimitName) -> LimitCounts {
@@ -384,6 +400,8 @@ where
     /// The clock (Unix seconds) a quota's refusal was decided by, for its fields: their
     /// `t` is then its `retry-after`.
     refused_at: Option<i64>,
+    /// How long the request waited for its slot (`WAIT`).
+    slot_waited: Duration,
     guard: Option<LeaseGuard<C>>,
 }
 
@@ -435,6 +453,7 @@ where
             slots: None,
             lease_refused: None,
             refused_at: None,
+            slot_waited: Duration::ZERO,
             guard: None,
         }
     }
@@ -447,10 +466,10 @@ where
             _ => None,
         };
         let (client_bucket, key_bucket) = (self.client_bucket.as_ref(), self.key_bucket.as_ref());
+        let buckets = self.waiting(&[LimitName::Client, LimitName::Key]);
         let quota_check = match &quota {
             Some((quota_key, quota)) => {
-                let taken = self
-                    .limiter
+                let taken = buckets
                     .take_with_quota(client_bucket, key_bucket, 1, quota_key, quota)
                     .await;
                 match taken {
@@ -463,15 +482,12 @@ where
             }
             None => {
                 let taken = match (client_bucket, key_bucket) {
-                    (Some(client), Some(key)) => self
-                        .limiter
+                    (Some(client), Some(key)) => buckets
                         .take_pair(client, key, 1)
                         .await
                         .map(|pair| (Some(pair.client), pair.key)),
-                    (Some(client), None) => {
-                        self.limiter.take(client, 1).await.map(|d| (Some(d), None))
-                    }
-                    (None, Some(key)) => self.limiter.take(key, 1).await.map(|d| (None, Some(d))),
+                    (Some(client), None) => buckets.take(client, 1).await.map(|d| (Some(d), None)),
+                    (None, Some(key)) => buckets.take(key, 1).await.map(|d| (None, Some(d))),
                     (None, None) => Ok((None, None)),
                 };
                 match taken {
@@ -538,7 +554,7 @@ where
         if let (Some(api_key), Some(max)) = (&self.api_key, self.limits.max_concurrent) {
             let slots = format!("qag:running:{api_key}");
             let lease = match self
-                .limiter
+                .waiting(&[LimitName::Concurrency])
                 .lease(&slots, max, self.config.lease_ttl, &self.id)
                 .await
             {
@@ -548,6 +564,7 @@ where
             match lease {
                 Lease::Held(guard) => {
                     let by = guard.answered_by();
+                    self.slot_waited = guard.waited();
                     self.count(LimitName::Concurrency, Some((true, by)));
                     if by != AnsweredBy::Forwarded {
                         self.slots = Some((max, guard.live()));
@@ -556,6 +573,7 @@ where
                 }
                 Lease::Refused(refusal) => {
                     let by = refusal.answered_by;
+                    self.slot_waited = refusal.waited;
                     self.count(LimitName::Concurrency, Some((false, by)));
                     self.slots = Some((max, refusal.live));
                     if !self.shadowed(LimitName::Concurrency) {
@@ -574,6 +592,29 @@ where
             quota: self.quota,
             rows: ReportRows::default(),
         })
+    }
+
+    /// The request's limiter for `limits`, waiting up to the longest of their waits (as
+    /// it is, when none waits, or it cannot: logged).
+    fn waiting(&self, limits: &[LimitName]) -> Limiter<C> {
+        let wait = limits
+            .iter()
+            .filter_map(|limit| self.config.limits[limit.index()].wait)
+            .max();
+        let Some(wait) = wait else {
+            return self.limiter.clone();
+        };
+        match self.limiter.with_wait(wait) {
+            Ok(waiting) => waiting,
+            Err(error) => {
+                let left_out =
+                    lock(&self.config.unavailable_log).due(Instant::now(), Duration::from_secs(1));
+                if left_out.is_some() {
+                    log::warn!(target: "qag_client", "request {} does not wait: {error}", self.request_id);
+                }
+                self.limiter.clone()
+            }
+        }
     }
 
     /// Counts a limit's decision (allowed or not, and how it was answered): a forwarded
@@ -678,6 +719,7 @@ where
         if let Some(now) = self.refused_at {
             headers = headers.now(now);
         }
+        headers = headers.slot_waited(self.slot_waited);
         if !self.config.draft_headers {
             headers = headers.without_draft();
         }

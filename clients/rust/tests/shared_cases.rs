@@ -8,6 +8,7 @@ use qag_client::decision::{
 use qag_client::local::LocalBuckets;
 use qag_client::{bucket_key, Headers, RetryAfter};
 use serde_json::Value;
+use std::time::Duration;
 
 fn cases() -> Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared_cases.json");
@@ -40,6 +41,7 @@ fn bucket(value: &Value) -> Option<Decision> {
         remaining: u64_of(&value["remaining"]),
         retry_after: RetryAfter::from_reply(value["retry_after"].as_i64().unwrap()).unwrap(),
         answered_by: answered_by(value),
+        waited: Duration::from_millis(value["waited_ms"].as_u64().unwrap_or(0)),
     })
 }
 
@@ -98,6 +100,7 @@ fn lease(value: &Value) -> Option<LeaseRefusal> {
         live: u64_of(&value["live"]),
         retry_after: RetryAfter::Seconds(u64_of(&value["retry_after"])),
         answered_by: AnsweredBy::Module,
+        waited: Duration::ZERO,
     })
 }
 
@@ -148,6 +151,9 @@ fn header_fields() {
         }
         if let Some((scopes, admission, seconds)) = &window {
             request = request.window(scopes, admission, *seconds);
+        }
+        if let Some(waited) = case["slot_waited_ms"].as_u64() {
+            request = request.slot_waited(Duration::from_millis(waited));
         }
         if case["draft"] == Value::Bool(false) {
             request = request.without_draft();

@@ -93,7 +93,10 @@ async fn get(url: &str) -> (u16, Vec<String>, String) {
         .iter()
         .filter(|(name, _)| {
             let name = name.as_str();
-            name.starts_with("x-ratelimit") || name.starts_with("x-quota") || name == "retry-after"
+            name.starts_with("x-ratelimit")
+                || name.starts_with("x-quota")
+                || name == "retry-after"
+                || name == "server-timing"
         })
         .filter(|(name, _)| name.as_str() != "x-quota-reset")
         .map(|(name, value)| format!("{name}={}", value.to_str().unwrap()))
@@ -870,4 +873,56 @@ async fn a_limit_in_shadow_counts_and_refuses_no_one() {
         "{} lines in {elapsed:.2} s: {text}",
         lines.len()
     );
+}
+
+/// Issue 36: with `--wait`, a request over its key's bucket waits for its token instead
+/// of a 429, and says how long in `server-timing`; one whose token would come after its
+/// wait is refused at once, with the same body and headers as without a wait.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_waits_for_its_turn_instead_of_a_429() {
+    if external("a_request_waits_for_its_turn_instead_of_a_429") {
+        return;
+    }
+    let _timed = Cores::shared();
+    let server = Server::start(&ServerOptions::default());
+    let waiting = Gateway::start(&server, &["--key-limit", "2/1", "--wait", "1500"]);
+    let url = waiting.url("key=acme~wait");
+    for _ in 0..2 {
+        let (status, fields, _) = get(&url).await;
+        assert_eq!(status, 200);
+        assert!(
+            !fields.iter().any(|f| f.starts_with("server-timing")),
+            "{fields:?}"
+        );
+    }
+    let started = Instant::now();
+    let (status, fields, _) = get(&url).await;
+    let took = started.elapsed();
+    assert_eq!(status, 200, "{fields:?}");
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_millis(900),
+        "{took:?}"
+    );
+    let timing = fields
+        .iter()
+        .find_map(|f| f.strip_prefix("server-timing=qag-wait;dur="))
+        .unwrap_or_else(|| panic!("no server-timing: {fields:?}"));
+    let waited: u64 = timing.parse().unwrap();
+    assert!((400..900).contains(&waited), "{waited}");
+    // A wait that cannot fit: the 429 at once, as a gateway without waits answers it.
+    let short = Gateway::start(&server, &["--key-limit", "2/1", "--wait", "100"]);
+    let plain = Gateway::start(&server, &["--key-limit", "2/1"]);
+    let (url_short, url_plain) = (short.url("key=acme~short"), plain.url("key=acme~plain"));
+    for url in [&url_short, &url_plain] {
+        for _ in 0..2 {
+            assert_eq!(get(url).await.0, 200);
+        }
+    }
+    let started = Instant::now();
+    let (status, fields, body) = get(&url_short).await;
+    assert!(started.elapsed() < Duration::from_millis(200));
+    let (plain_status, plain_fields, plain_body) = get(&url_plain).await;
+    assert_eq!((status, plain_status), (429, 429));
+    assert_eq!(fields, plain_fields);
+    assert_eq!(without_request_id(&body), without_request_id(&plain_body));
 }

@@ -1,0 +1,121 @@
+//! Connections of their own for calls that wait (`WAIT ms`, see
+//! [`Limiter::with_wait`](crate::Limiter::with_wait)): the server holds a waiting call's
+//! reply, and every later call on its connection behind it, so a waiting call never
+//! rides the limiter's shared (multiplexed) connection. It takes a connection to its
+//! node from a bounded pool (at most [`Options::max_waiting`](crate::Options) in use at
+//! once, the rest `Error::Busy`), and gives it back once answered; a wait cut short (its
+//! deadline passed, or its future dropped: the request cancelled) closes its
+//! connection, so the server gives back what the call was charged.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, ConnectionInfo, RedisResult};
+use tokio::sync::Semaphore;
+
+use crate::error::{classify, Error, Failure};
+use crate::mutex::lock;
+
+/// Where a node is: the limiter's settings (user, password, database, TLS) at its
+/// address.
+pub(crate) type Address = Box<dyn Fn(&str) -> RedisResult<ConnectionInfo> + Send + Sync>;
+
+pub(crate) struct WaitConnections {
+    address: Address,
+    config: AsyncConnectionConfig,
+    permits: Semaphore,
+    /// Connections back from a call, by node.
+    idle: Mutex<HashMap<String, Vec<MultiplexedConnection>>>,
+    /// How many wait at most: a bound on the connections this pool keeps.
+    most: usize,
+}
+
+/// A connection in a call's hands: given back to the pool when the call was answered,
+/// else (cut short, dropped) closed with it.
+struct Held<'a> {
+    pool: &'a WaitConnections,
+    node: &'a str,
+    connection: Option<MultiplexedConnection>,
+    answered: bool,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let (true, Some(connection)) = (self.answered, self.connection.take()) {
+            let mut idle = lock(&self.pool.idle);
+            let kept = idle.entry(self.node.to_owned()).or_default();
+            if kept.len() < self.pool.most {
+                kept.push(connection);
+            }
+        }
+    }
+}
+
+impl WaitConnections {
+    /// At most `most` waiting calls at once, each connecting within `deadline`.
+    pub(crate) fn new(address: Address, most: usize, deadline: Duration) -> WaitConnections {
+        WaitConnections {
+            address,
+            // No response timeout: the call's own deadline (its wait and more) bounds it.
+            config: AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(deadline))
+                .set_response_timeout(None),
+            permits: Semaphore::new(most),
+            idle: Mutex::default(),
+            most,
+        }
+    }
+
+    /// Sends `send` on a connection of its own to `node` ("" on a single server); a
+    /// free place within `queue` (else `Error::Busy`: this process's overload).
+    pub(crate) async fn send<T, F, Fut>(
+        &self,
+        node: &str,
+        queue: Duration,
+        send: F,
+    ) -> Result<T, Failure>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = RedisResult<T>>,
+    {
+        let busy = || {
+            Failure::Error(Error::Busy(format!(
+                "no connection for a waiting call free within {queue:?}: {} wait already",
+                self.most
+            )))
+        };
+        let _permit = match tokio::time::timeout(queue, self.permits.acquire()).await {
+            Ok(Ok(permit)) => permit,
+            _ => return Err(busy()),
+        };
+        let kept = lock(&self.idle).get_mut(node).and_then(Vec::pop);
+        let connection = match kept {
+            Some(connection) => connection,
+            None => {
+                let info = (self.address)(node).map_err(|error| classify(&error))?;
+                redis::Client::open(info)
+                    .map_err(|error| classify(&error))?
+                    .get_multiplexed_async_connection_with_config(&self.config)
+                    .await
+                    .map_err(|error| classify(&error))?
+            }
+        };
+        let mut held = Held {
+            pool: self,
+            node,
+            connection: Some(connection.clone()),
+            answered: false,
+        };
+        let reply = send(connection).await;
+        // An error reply leaves the connection as good as an answer; a failed one not.
+        held.answered = match &reply {
+            Ok(_) => true,
+            Err(error) => {
+                !(error.is_io_error() || error.is_timeout() || error.is_connection_dropped())
+            }
+        };
+        reply.map_err(|error| classify(&error))
+    }
+}
