@@ -5,7 +5,7 @@ python clients/python/examples/fastapi_gateway.py --redis redis://127.0.0.1:6379
   --listen 127.0.0.1:8080 [--client-limit 20/1] [--key-limit 60/60] [--max-concurrent 4] \
   [--quota-calls 100000 --quota-per month --quota-tz Europe/Berlin] \
   [--policy raise|forward|local] [--back-off 5] [--tpm 100000] [--rpm 0] \
-  [--shadow key,quota,...]
+  [--shadow key,quota,...] [--wait 500]
 
 GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a body
 streamed in `chunks` pieces over work_ms.
@@ -16,6 +16,8 @@ committed at the end; its answers carry the OpenAI-style x-ratelimit-*-requests 
 -tokens fields of that window.
 GET /limits (not limited): how each limit answered, {"key": {"allowed": N, "refused": N,
 "shadow": false}, ...}: the numbers to watch for a limit in --shadow.
+--wait MS: a request waits up to MS milliseconds for its buckets' tokens and its slot
+instead of a 429 (its server-timing says how long).
 """
 
 import argparse
@@ -106,6 +108,12 @@ def main() -> None:
             bucket=args.key_limit, max_concurrent=args.max_concurrent, quota=quota
         ),
         shadow=args.shadow,  # limits tried on live traffic: their refusals let through
+        # Waiting for a limit's turn instead of a 429, up to --wait ms.
+        wait=(
+            {limit: args.wait / 1000 for limit in ("client", "key", "concurrency")}
+            if args.wait
+            else None
+        ),
     )
 
     async def served(scope: Any, receive: Any, send: Any) -> None:
@@ -148,6 +156,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--shadow", type=lambda text: text.split(","), default=[], help="limits in shadow"
     )
+    parser.add_argument("--wait", type=int, default=0, help="ms a request may wait its turn")
     return parser.parse_args()
 
 

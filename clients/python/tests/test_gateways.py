@@ -626,3 +626,38 @@ def test_a_limit_in_shadow_counts_and_refuses_no_one(
     gateway.stop()
     lines = [line for line in log.read_text().splitlines() if "shadow: the key limit" in line]
     assert 1 <= len(lines) <= 1 + refilled, (lines, elapsed)
+
+
+def test_a_request_waits_for_its_turn_instead_of_a_429(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], timing: None
+) -> None:
+    """Issue 36: with ``--wait``, a request over its key's bucket waits for its token
+    instead of a 429 and says how long in ``server-timing``; one whose token would come
+    after its wait is refused at once, as a gateway without waits refuses it."""
+    server = start_server()
+    waiting = start_gateway(server, "--key-limit", "2/1", "--wait", "1500")
+    url = waiting.url("key=acme~wait")
+    for _ in range(2):
+        response = httpx.get(url, timeout=10)
+        assert response.status_code == 200 and "server-timing" not in response.headers
+    started = time.monotonic()
+    response = httpx.get(url, timeout=10)
+    took = time.monotonic() - started
+    assert response.status_code == 200
+    assert 0.4 <= took < 0.9, took
+    timing_field = response.headers["server-timing"]
+    assert timing_field.startswith("qag-wait;dur="), timing_field
+    assert 400 <= int(timing_field.removeprefix("qag-wait;dur=")) < 900
+    short = start_gateway(server, "--key-limit", "2/1", "--wait", "100")
+    plain = start_gateway(server, "--key-limit", "2/1")
+    urls = short.url("key=acme~short"), plain.url("key=acme~plain")
+    for each in urls:
+        for _ in range(2):
+            assert get(each)[0] == 200
+    started = time.monotonic()
+    status, fields, body = get(urls[0])
+    assert time.monotonic() - started < 0.3
+    plain_status, plain_fields, plain_body = get(urls[1])
+    assert (status, plain_status) == (429, 429)
+    assert fields == plain_fields
+    assert without_request_id(body) == without_request_id(plain_body)

@@ -38,7 +38,9 @@ def _bucket(value: Optional[dict]) -> Optional[Decision]:
         return None
     # The cases write "never fits" as -1 (Rust's RetryAfter::Never, Python's None).
     retry = value["retry_after"]
-    return Decision(**{**value, "retry_after": None if retry == -1 else retry})
+    fields = {name: value for name, value in value.items() if name != "waited_ms"}
+    waited = value.get("waited_ms", 0) / 1000
+    return Decision(**{**fields, "retry_after": None if retry == -1 else retry, "waited": waited})
 
 
 @pytest.mark.parametrize("case", CASES["headers"], ids=lambda case: case["name"])
@@ -63,6 +65,7 @@ def test_header_fields(case: dict) -> None:
         slots=None if slots is None else (slots["max"], slots["live"]),
         chain=chain,
         window=None if window is None else window["seconds"],
+        slot_waited=case.get("slot_waited_ms", 0) / 1000,
     )
     assert [list(pair) for pair in fields] == case["headers"]
     for name, _ in fields:

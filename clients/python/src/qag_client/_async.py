@@ -35,7 +35,7 @@ from ._driver import (
     pool_settings,
     stale,
 )
-from ._engine import Pipeline, Request, RunScript, T
+from ._engine import Pipeline, Request, RunScript, T, waiting_of
 
 if TYPE_CHECKING:
     from typing import Concatenate, ParamSpec
@@ -254,6 +254,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
         for node in self._shards.all():
             # A client made on a given pool leaves it open when closed: closed here.
             await node.client.connection_pool.disconnect()
+            await node.wait_client.connection_pool.disconnect()
 
     async def _drive(self, driven: Driven[T]) -> T:
         """Performs a driven call's effects until it answers; a cancellation is thrown
@@ -286,6 +287,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
             await _close_idle(effect.node, effect.until - loop.time())
         elif isinstance(effect, Disconnect):
             await effect.node.client.connection_pool.disconnect()
+            await effect.node.wait_client.connection_pool.disconnect()
         return None
 
     def _now(self) -> float:
@@ -390,7 +392,7 @@ async def _round_trip(effect: Send, loop: asyncio.AbstractEventLoop) -> Any:
 async def _acquire(effect: Acquire, loop: asyncio.AbstractEventLoop) -> bool:
     """A place in the node's pool by the call's deadline, or a little after it while a
     holder is overdue; False once the call is no longer wanted."""
-    gate, deadline = effect.node.gate, effect.deadline
+    gate, deadline = effect.gate, effect.deadline
     grace, gated = deadline + OVERDUE_GRACE, False
     while not gated and effect.still_wanted():
         now = loop.time()
@@ -413,18 +415,20 @@ async def _close_idle(node: Node, left: float) -> None:
 
 
 async def _send(node: Node, request: Request, asking: bool) -> Any:
+    # A request the server may hold waits on a connection of its own.
+    client = node.wait_client if waiting_of(request) else node.client
     if isinstance(request, Pipeline):  # its commands in one round trip
-        pipe = node.client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
         node.pipeline(request, asking, pipe)
         return pipelined((await pipe.execute(raise_on_error=False)), asking)
     if asking:  # ASK: ASKING, then the request, on one connection
-        pipe = node.client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
         pipe.execute_command("ASKING")
         pipe.execute_command(*node.words(request))
         return (await pipe.execute())[1]
     if isinstance(request, RunScript):
         return await node.scripts[request.script](keys=[request.key], args=list(request.arguments))
-    return await node.client.execute_command(*node.words(request))
+    return await client.execute_command(*node.words(request))
 
 
 __all__: List[str] = ["AsyncLease", "AsyncLimiter", "AsyncReservation"]

@@ -109,13 +109,15 @@ class Sleep(NamedTuple):
 
 
 class Acquire(NamedTuple):
-    """A place in the node's pool for a call ending at ``deadline``, where none is free
-    now: True, or False when none came free by then (or a little later, while a holder
-    is past its own deadline), or as soon as ``still_wanted`` says False."""
+    """A place in one of the node's pools (``gate``: its own, or its pool for waiting
+    calls) for a call ending at ``deadline``, where none is free now: True, or False
+    when none came free by then (or a little later, while a holder is past its own
+    deadline), or as soon as ``still_wanted`` says False."""
 
     node: "Node"
     deadline: float
     still_wanted: Callable[[], bool]
+    gate: Any
 
 
 class Dropped(NamedTuple):
@@ -218,10 +220,12 @@ class Trip:
         if self.latest is not None:
             self.answer_by = min(self.answer_by, self.latest)
 
-    def ended(self, now: float) -> None:
-        """The call is done: what it waited on the server is taken from the budget."""
+    def ended(self, now: float, wait: float = 0.0) -> None:
+        """The call is done: what it waited on the server is taken from the budget (but
+        for a wait it asked for: the server held it on purpose)."""
         if self.budget is not None and self.written_at is not None:
-            self.budget.left = max(self.budget.left - (now - self.written_at), 0.0)
+            spent = max(now - self.written_at - wait, 0.0)
+            self.budget.left = max(self.budget.left - spent, 0.0)
 
 
 class RoundTrip:
@@ -275,19 +279,25 @@ def stale(connection: Any) -> bool:
 
 
 class Node:
-    """One server: the limiter's own client for it, the gate to that client's pool, its
-    scripts, the epoch of its connections, and the engine with the server's state
-    (module presence, back-off, local counts)."""
+    """One server: the limiter's own client for it and the gate to that client's pool,
+    a second client and gate for calls that wait (``wait=``: the server holds such a
+    call, and its connection with it), its scripts, the epoch of its connections, and the
+    engine with the server's state (module presence, back-off, local counts)."""
 
-    def __init__(self, name: str, client: Any, gate: Any, engine: Engine, epoch: Epoch) -> None:
+    def __init__(
+        self,
+        name: str,
+        clients: Tuple[Tuple[Any, Any], Tuple[Any, Any]],
+        engine: Engine,
+        epoch: Epoch,
+    ) -> None:
         self.name = name
-        self.client = client
-        self.gate = gate
+        (self.client, self.gate), (self.wait_client, self.wait_gate) = clients
         self.engine = engine
         self.epoch = epoch
         self.scripts = {
-            "bucket": client.register_script(TOKEN_BUCKET_LUA),
-            "refund": client.register_script(TOKEN_REFUND_LUA),
+            "bucket": self.client.register_script(TOKEN_BUCKET_LUA),
+            "refund": self.client.register_script(TOKEN_REFUND_LUA),
         }
 
     def pipeline(self, request: Pipeline, asking: bool, pipe: Any) -> None:
@@ -403,7 +413,7 @@ class Driver(Generic[LeaseT, ReservationT]):
     # background work, and its guards.
     _cluster_class: Any
     _worker: Callable[[Any, Driven[None], str], Background]
-    _lease_guard: Callable[[Any, str, int, int, str], LeaseT]
+    _lease_guard: Callable[[Any, str, int, int, str, Optional[float]], LeaseT]
     _reservation_guard: Callable[[Any, HoldState], ReservationT]
 
     def __init__(
@@ -419,10 +429,13 @@ class Driver(Generic[LeaseT, ReservationT]):
         recheck_missing_module: float = 10.0,
         cross_slot: str = "raise",
         queue_timeout: Optional[float] = None,
+        max_waiting: int = 100,
     ) -> None:
         max_connections = pool_size(client, max_connections)
         queue_timeout = deadline if queue_timeout is None else queue_timeout
         check_options(deadline, max_connections, queue_timeout)
+        if isinstance(max_waiting, bool) or not (isinstance(max_waiting, int) and max_waiting >= 1):
+            raise ValueError("max_waiting must be an integer of at least 1")
         check_cross_slot(cross_slot)
         options = (backend, on_unavailable, back_off, local_share, recheck_missing_module)
         Engine(*options)  # the options checked now, not at the first call
@@ -445,8 +458,10 @@ class Driver(Generic[LeaseT, ReservationT]):
                 engine.forget_presence()
 
             own, gate = self._own_client(base, deadline, max_connections, connected)
+            # Waiting calls' connections read for their wait too (each call bounds its own).
+            waiting = self._own_client(base, deadline + d.MAX_WAIT, max_waiting, connected)
             engine.on_outage = gate.interrupt
-            node = Node(name, own, gate, engine, epoch)
+            node = Node(name, ((own, gate), waiting), engine, epoch)
 
             def start_probe() -> None:
                 self._spawn(self._probe(node), f"qag-probe {name}")
@@ -522,38 +537,65 @@ class Driver(Generic[LeaseT, ReservationT]):
     # The calls.
 
     def _take(
-        self, bucket: Bucket, cost: int = 1, *, request_id: Optional[str] = None
+        self,
+        bucket: Bucket,
+        cost: int = 1,
+        *,
+        request_id: Optional[str] = None,
+        wait: Optional[float] = None,
     ) -> Driven[d.Decision]:
         """Takes ``cost`` tokens from the bucket. ``request_id``: the caller's id for the
         call (1 to 128 bytes; e.g. the gateway's request id, so that its retries of one
         request count once), none by default. A call whose connection dropped is sent
         once more either way: with an id it counts once; without, if the first ran, it
-        charges again (stricter by one, never more granted)."""
+        charges again (stricter by one, never more granted). ``wait``: seconds (0 to
+        60) the call may wait for its tokens instead of a refusal (module 0.5.0: held
+        by the server and answered when they exist, in arrival order across every
+        gateway instance, on a connection of its own; ``waited`` says how long; refused
+        at once when they would come later; without the module, answered at once); the
+        call's deadline is its wait and the usual deadline."""
         call = d.BucketCall.on(bucket, cost)
         rid = d.caller_id(request_id)
-        return (yield from self._call([call.key], lambda node: node.engine.take(call, rid)))
+        d.wait_words(wait)
+
+        def flow(node: Node) -> Flow[d.Decision]:
+            return node.engine.take(call, rid, wait)
+
+        return (yield from self._call([call.key], flow, wait))
 
     def _take_pair(
-        self, client: Bucket, key: Bucket, cost: int = 1, *, request_id: Optional[str] = None
+        self,
+        client: Bucket,
+        key: Bucket,
+        cost: int = 1,
+        *,
+        request_id: Optional[str] = None,
+        wait: Optional[float] = None,
     ) -> Driven[d.PairDecision]:
         """Both buckets of a request: the client's, then the key's if the client's
         allowed (QAG.TAKE2 with the module: one step). On a cluster, buckets in two
         slots are as ``cross_slot`` says (each call with the same id). ``request_id``
-        as for ``take``."""
+        as for ``take``; ``wait``: both buckets wait for the later's tokens, charged
+        together or not at all."""
         first, second = d.BucketCall.on(client, cost), d.BucketCall.on(key, cost)
         rid = d.caller_id(request_id)
+        d.wait_words(wait)
         if self._shards.topology is not None and slot_of(first.key) != slot_of(second.key):
             if self._cross_slot == "raise":
                 raise cross_slot_pair(first.key, second.key)
-            client_decision = yield from self._take(client, cost, request_id=rid)
+            client_decision = yield from self._take(client, cost, request_id=rid, wait=wait)
             if not client_decision.allowed:
                 return d.PairDecision(client_decision, None)
-            key_decision = yield from self._take(key, cost, request_id=rid)
+            key_decision = yield from self._take(key, cost, request_id=rid, wait=wait)
             if not key_decision.allowed and client_decision.answered_by in ("module", "script"):
                 yield from self._give_back(client, cost, rid)
             return d.PairDecision(client_decision, key_decision)
         keys = [first.key, second.key]
-        return (yield from self._call(keys, lambda node: node.engine.take_pair(first, second, rid)))
+
+        def flow(node: Node) -> Flow[d.PairDecision]:
+            return node.engine.take_pair(first, second, rid, wait)
+
+        return (yield from self._call(keys, flow, wait))
 
     def _take_with_quota(
         self,
@@ -564,6 +606,7 @@ class Driver(Generic[LeaseT, ReservationT]):
         cost: int = 1,
         *,
         request_id: Optional[str] = None,
+        wait: Optional[float] = None,
     ) -> Driven[d.TakenWithQuota]:
         """A request's buckets (the client's and the key's, either or both) and its
         quota's check (QAG.QUOTA, which counts nothing), in one round trip where they
@@ -571,9 +614,10 @@ class Driver(Generic[LeaseT, ReservationT]):
         then the check). The quota is read even when a bucket refused, so a refusal can
         show what is left of it; a refused call is never counted in it. An outage of the
         round trip is answered by the policy for both; a check that fails on its own is
-        ``quota_error``, the buckets' decisions standing. ``request_id`` as for
-        ``take``."""
+        ``quota_error``, the buckets' decisions standing. ``request_id`` and ``wait``
+        (the buckets', the quota never waits) as for ``take``."""
         d.quota_check_words(quota_key, quota)
+        d.wait_words(wait)
         first = None if client is None else d.BucketCall.on(client, cost)
         second = None if key is None else d.BucketCall.on(key, cost)
         rid = d.caller_id(request_id)
@@ -584,12 +628,12 @@ class Driver(Generic[LeaseT, ReservationT]):
         if self._shards.topology is not None and len({slot_of(k) for k in keys}) > 1:
             client_decision = key_decision = None
             if client is not None and key is not None:
-                pair = yield from self._take_pair(client, key, cost, request_id=rid)
+                pair = yield from self._take_pair(client, key, cost, request_id=rid, wait=wait)
                 client_decision, key_decision = pair.client, pair.key
             elif client is not None:
-                client_decision = yield from self._take(client, cost, request_id=rid)
+                client_decision = yield from self._take(client, cost, request_id=rid, wait=wait)
             elif key is not None:
-                key_decision = yield from self._take(key, cost, request_id=rid)
+                key_decision = yield from self._take(key, cost, request_id=rid, wait=wait)
             try:
                 checked = yield from self._quota_check(quota_key, quota)
             except d.QagError as error:
@@ -598,7 +642,10 @@ class Driver(Generic[LeaseT, ReservationT]):
         return (
             yield from self._call(
                 keys,
-                lambda node: node.engine.take_with_quota(first, second, quota_key, quota, rid),
+                lambda node: node.engine.take_with_quota(
+                    first, second, quota_key, quota, rid, wait
+                ),
+                wait,
             )
         )
 
@@ -627,11 +674,22 @@ class Driver(Generic[LeaseT, ReservationT]):
         rid = d.caller_id(request_id)
         return (yield from self._call([call.key], lambda node: node.engine.refund(call, n, rid)))
 
-    def lease(self, key: str, max_slots: int, ttl_ms: int, lease_id: str) -> LeaseT:
+    def lease(
+        self,
+        key: str,
+        max_slots: int,
+        ttl_ms: int,
+        lease_id: str,
+        *,
+        wait: Optional[float] = None,
+    ) -> LeaseT:
         """``with limiter.lease(...) as lease:`` (``async with`` for the asyncio
-        limiter) holds a slot for the block (see Lease)."""
+        limiter) holds a slot for the block (see Lease). ``wait``: seconds (0 to 60) to
+        wait for a slot when every one is held (given the first freed, in arrival order;
+        ``lease.waited`` says how long), as ``take``'s."""
         d.check_lease(key, max_slots, ttl_ms, lease_id)
-        return self._lease_guard(self, key, max_slots, ttl_ms, lease_id)
+        d.wait_words(wait)
+        return self._lease_guard(self, key, max_slots, ttl_ms, lease_id, wait)
 
     def _renew(self, key: str, lease_id: str, ttl_ms: int) -> Driven[bool]:
         d.check_id(lease_id)
@@ -742,10 +800,13 @@ class Driver(Generic[LeaseT, ReservationT]):
         budget = _BUDGET.get() if routed else None
         return Trip(now + self._queue_timeout, self._deadline, budget=budget)
 
-    def _call(self, keys: Sequence[str], flow: Callable[[Node], Flow[T]]) -> Driven[T]:
-        """``flow`` on the node owning ``keys``, within the deadline."""
+    def _call(
+        self, keys: Sequence[str], flow: Callable[[Node], Flow[T]], wait: Optional[float] = None
+    ) -> Driven[T]:
+        """``flow`` on the node owning ``keys``, within the deadline (and ``wait``, for a
+        call the server may hold)."""
         node, trip = yield from self._node_for(keys)
-        return (yield from self._run(node, flow(node), trip))
+        return (yield from self._run(node, flow(node), trip, wait=wait))
 
     def _node_for(self, keys: Sequence[str], routed: bool = True) -> Driven[Tuple[Node, Trip]]:
         """The node owning the keys' slot (QagCrossSlot across slots), and the call's
@@ -792,6 +853,7 @@ class Driver(Generic[LeaseT, ReservationT]):
         *,
         routed: bool = True,
         limit: Optional[float] = None,
+        wait: Optional[float] = None,
     ) -> Driven[T]:
         """Runs a flow on the call's ``trip`` (a new one if not given; ``limit``: within
         that many seconds from now instead): its requests written within the queue time
@@ -800,19 +862,25 @@ class Driver(Generic[LeaseT, ReservationT]):
         the deadline from the first write, connecting included (QagUnavailable past it
         with no answer on its way: the server's, an outage). A routed call still
         waiting for a connection when a back-off starts keeps to the policy (background
-        work is not routed: it waits on)."""
+        work is not routed: it waits on). A call the server may hold (``wait``) takes a
+        place in the node's pool for waiting calls, and its answers are due that much
+        later."""
         if trip is None:
             trip = self._trip(limit, routed)
         queue_by = trip.queue_by
+        wait = wait or 0.0
+        gate = node.wait_gate if wait else node.gate
+        trip.window += wait
         gated = False
         try:
             request = next(flow)
             engine, generation = node.engine, node.engine.generation if routed else -1
-            gated = node.gate.acquire_now(queue_by)
+            gated = gate.acquire_now(queue_by)
             if not gated:
-                gated = yield Acquire(node, queue_by, lambda: not engine.overtaken(generation))
+                still_wanted = lambda: not engine.overtaken(generation)  # noqa: E731
+                gated = yield Acquire(node, queue_by, still_wanted, gate)
             if gated and engine.overtaken(generation):
-                node.gate.release(queue_by)
+                gate.release(queue_by)
                 gated = False
             if not gated:
                 flow.throw(Overtaken() if engine.overtaken(generation) else self._busy())
@@ -839,9 +907,9 @@ class Driver(Generic[LeaseT, ReservationT]):
             answer: T = stop.value
             return answer
         finally:
-            trip.ended(self._now())
+            trip.ended(self._now(), wait)
             if gated:
-                node.gate.release(queue_by)
+                gate.release(queue_by)
             flow.close()  # a cancelled call frees its probe slot
 
     def _execute(self, node: Node, request: Request, trip: Trip) -> Driven[Any]:
@@ -980,12 +1048,21 @@ class LeaseGuard:
     renewing it in the background while held, releasing it."""
 
     def __init__(
-        self, limiter: Driver[Any, Any], key: str, max_slots: int, ttl_ms: int, lease_id: str
+        self,
+        limiter: Driver[Any, Any],
+        key: str,
+        max_slots: int,
+        ttl_ms: int,
+        lease_id: str,
+        wait: Optional[float] = None,
     ) -> None:
         self.key = key
         self.id = lease_id
         self._limiter = limiter
         self._max = max_slots
+        self._wait = wait
+        # Seconds the server held the LEASE for a slot (``wait=``).
+        self.waited = 0.0
         self._state = LeaseState(key, lease_id, ttl_ms, time.monotonic())
         self._renewals: Optional[Background] = None
         # The node the lease was taken on (set on entering).
@@ -1017,9 +1094,9 @@ class LeaseGuard:
         attempt = Attempt()
         node, at = yield from limiter._node_for([self.key])
         self._node = node
-        flow = node.engine.lease(self.key, self._max, state.ttl_ms, self.id, attempt)
+        flow = node.engine.lease(self.key, self._max, state.ttl_ms, self.id, attempt, self._wait)
         try:
-            grant = yield from limiter._run(node, flow, at)
+            grant = yield from limiter._run(node, flow, at, wait=self._wait)
         except BaseException as error:
             if attempt.sent and _interrupted(error):
                 limiter._release_later(self.key, self.id, started, state.ttl_ms)
@@ -1027,8 +1104,9 @@ class LeaseGuard:
         if attempt.sent and grant.answered_by != "module":
             # The LEASE met an outage and the policy answered: it may have run.
             limiter._release_later(self.key, self.id, started, state.ttl_ms)
+        self.waited = grant.waited
         if not grant.acquired:
-            raise d.QagRefused(grant.live, grant.retry_after, grant.answered_by)
+            raise d.QagRefused(grant.live, grant.retry_after, grant.answered_by, grant.waited)
         state.answered_by = grant.answered_by
         self._live = grant.live
         if state.in_redis:

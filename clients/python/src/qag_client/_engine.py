@@ -76,6 +76,9 @@ class Command:
     # Asked of any node, unparsed by the client library (COMMAND INFO's nil entry
     # would break redis-py's parser).
     probe: bool = False
+    # Seconds the server may hold it (its WAIT): sent on a connection of its own, its
+    # deadline that much longer.
+    wait: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,17 @@ class Pipeline:
 
 
 Request = Any  # Command | RunScript | Pipeline
+
+
+def waiting_of(request: Request) -> float:
+    """How long the server may hold a request (its commands' WAIT), in seconds."""
+    if isinstance(request, Command):
+        return request.wait
+    if isinstance(request, Pipeline):
+        return max((command.wait for command in request.commands), default=0.0)
+    return 0.0
+
+
 T = TypeVar("T")
 # A call: yields requests, receives their replies, returns its answer.
 Flow = Generator[Request, Any, T]
@@ -575,13 +589,19 @@ class Engine:
 
     # Token buckets.
 
-    def take(self, call: BucketCall, request_id: Optional[str]) -> Flow[Decision]:
+    def take(
+        self, call: BucketCall, request_id: Optional[str], wait: Optional[float] = None
+    ) -> Flow[Decision]:
         return self._routed(
-            self._take(call, request_id), Fallback(call.forwarded, _local_take(call))
+            self._take(call, request_id, wait), Fallback(call.forwarded, _local_take(call))
         )
 
     def take_pair(
-        self, client: BucketCall, key: BucketCall, request_id: Optional[str]
+        self,
+        client: BucketCall,
+        key: BucketCall,
+        request_id: Optional[str],
+        wait: Optional[float] = None,
     ) -> Flow[PairDecision]:
         def forwarded() -> PairDecision:
             return PairDecision(client.forwarded(), key.forwarded())
@@ -592,7 +612,9 @@ class Engine:
                 return PairDecision(client_decision, None)
             return PairDecision(client_decision, _local_take(key)(state, now, share))
 
-        return self._routed(self._take_pair(client, key, request_id), Fallback(forwarded, local))
+        return self._routed(
+            self._take_pair(client, key, request_id, wait), Fallback(forwarded, local)
+        )
 
     def peek(self, call: BucketCall) -> Flow[Decision]:
         def local(state: LocalState, now: float, share: float) -> Decision:
@@ -630,10 +652,13 @@ class Engine:
             raise QagServerError(str(error)) from error
         return self._saw_refund(call, call.refunded(reply, "script"))
 
-    def _take(self, call: BucketCall, request_id: Optional[str]) -> Flow[Decision]:
+    def _take(
+        self, call: BucketCall, request_id: Optional[str], wait: Optional[float] = None
+    ) -> Flow[Decision]:
         if (yield from self.path()) == "module":
             try:
-                command = Command(_with_id(("QAG.TAKE", call.key, *call.arguments()), request_id))
+                words = _with_id(("QAG.TAKE", call.key, *call.arguments()), request_id)
+                command = _waiting(words, wait)
                 reply = yield from self._sent(command, True)
                 return self._saw(call, call.decision(reply, "module"))
             except UnknownCommand:
@@ -641,12 +666,16 @@ class Engine:
         return (yield from self._script(call))
 
     def _take_pair(
-        self, client: BucketCall, key: BucketCall, request_id: Optional[str]
+        self,
+        client: BucketCall,
+        key: BucketCall,
+        request_id: Optional[str],
+        wait: Optional[float] = None,
     ) -> Flow[PairDecision]:
         if (yield from self.path()) == "module":
             try:
                 pair = ("QAG.TAKE2", client.key, client.count, client.period_text, key.key)
-                command = Command(_with_id((*pair, *key.arguments()), request_id))
+                command = _waiting(_with_id((*pair, *key.arguments()), request_id), wait)
                 reply = yield from self._sent(command, True)
                 return self._pair_decided(client, key, reply)
             except UnknownCommand:
@@ -671,6 +700,7 @@ class Engine:
         quota_key: str,
         quota: Quota,
         request_id: Optional[str],
+        wait: Optional[float] = None,
     ) -> Flow[TakenWithQuota]:
         """A request's buckets (either or both) and its quota's check, in one round trip
         with the module (QAG.TAKE2 or QAG.TAKE, and QAG.QUOTA pipelined); without it the
@@ -694,7 +724,7 @@ class Engine:
             return TakenWithQuota(client_decision, key_decision, check.local(state, now, share))
 
         return self._routed(
-            self._take_with_quota(client, key, quota_key, quota, request_id),
+            self._take_with_quota(client, key, quota_key, quota, request_id, wait),
             Fallback(forwarded, local),
         )
 
@@ -705,6 +735,7 @@ class Engine:
         quota_key: str,
         quota: Quota,
         request_id: Optional[str],
+        wait: Optional[float] = None,
     ) -> Flow[TakenWithQuota]:
         # One bucket (QAG.TAKE), or both (QAG.TAKE2: alone is None).
         alone = key if client is None else client if key is None else None
@@ -717,7 +748,7 @@ class Engine:
         if (yield from self.path()) == "module":
             check = Command(tuple(d.quota_check_words(quota_key, quota)))
             # Replayed as an admission and a read are.
-            replies = yield from self._sent(Pipeline((Command(take), check)), True)
+            replies = yield from self._sent(Pipeline((_waiting(take, wait), check)), True)
             if not isinstance(replies, list) or len(replies) != 2:
                 raise QagServerError(f"a pipeline of two replies, got {replies!r}")
             taken, checked = replies
@@ -797,16 +828,22 @@ class Engine:
         return refunded
 
     def module_only(
-        self, words: List[Any], attempt: Optional[Attempt] = None, replayable: bool = False
+        self,
+        words: List[Any],
+        attempt: Optional[Attempt] = None,
+        replayable: bool = False,
+        wait: Optional[float] = None,
     ) -> Flow[Any]:
         """A command of a family without a script (``replayable``: it ends with its
-        id, only reads, or admits: see ``_sent``)."""
+        id, only reads, or admits: see ``_sent``; ``wait``: the server may hold it that
+        long, its words end with WAIT)."""
         if self.backend == "script" or (yield from self.path()) == "script":
             raise QagModuleRequired("the qag module is required and the server does not have it")
         try:
             if attempt is not None:
                 attempt.sent = True
-            return (yield from self._sent(Command(tuple(words)), replayable))
+            command = Command(tuple(words), wait=wait or 0.0)
+            return (yield from self._sent(command, replayable))
         except UnknownCommand as error:
             self.note_missing()
             raise QagModuleRequired(
@@ -835,11 +872,17 @@ class Engine:
     # Leases.
 
     def lease(
-        self, key: str, max_slots: int, ttl_ms: int, lease_id: str, attempt: Attempt
+        self,
+        key: str,
+        max_slots: int,
+        ttl_ms: int,
+        lease_id: str,
+        attempt: Attempt,
+        wait: Optional[float] = None,
     ) -> Flow[LeaseGrant]:
         def in_redis() -> Flow[LeaseGrant]:
-            words = ["QAG.LEASE", key, max_slots, ttl_ms, lease_id]
-            grant = d.lease_grant((yield from self.module_only(words, attempt)))
+            words = ["QAG.LEASE", key, max_slots, ttl_ms, lease_id, *d.wait_words(wait)]
+            grant = d.lease_grant((yield from self.module_only(words, attempt, wait=wait)))
             with self._lock:
                 self.local.leases.saw(key, grant.live, ttl_ms, self.wall())
             return grant
@@ -1098,6 +1141,12 @@ class Engine:
 
     def _module_only_int(self, words: List[Any]) -> Flow[int]:
         return int((yield from self.module_only(words, replayable=True)))
+
+
+def _waiting(words: Tuple[Any, ...], wait: Optional[float]) -> Command:
+    """A command that may wait ``wait`` seconds for its turn: ``WAIT ms`` after its
+    words, sent on a connection of its own (None: at once, as always)."""
+    return Command((*words, *d.wait_words(wait)), wait=wait or 0.0)
 
 
 def _with_id(words: Sequence[Any], request_id: Optional[str]) -> Tuple[Any, ...]:

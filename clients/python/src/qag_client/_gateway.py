@@ -47,7 +47,15 @@ from urllib.parse import parse_qs
 from ._driver import Budget, spending
 from ._policy import LogEvery
 from .answers import Refusal
-from .decisions import Decision, QagError, QagRefused, Quota, QuotaDecision, TakenWithQuota
+from .decisions import (
+    Decision,
+    QagError,
+    QagRefused,
+    Quota,
+    QuotaDecision,
+    TakenWithQuota,
+    wait_words,
+)
 from .headers import headers
 from .naming import Bucket
 
@@ -169,6 +177,8 @@ class Config:
     unavailable_log_lock: threading.Lock = field(default_factory=threading.Lock, compare=False)
     # Each limit's counts, and whether it is in shadow (by name, LIMITS).
     limit_states: Dict[str, LimitState] = field(default_factory=dict, compare=False)
+    # Seconds a request may wait for a limit's turn (WAIT), by limit.
+    waits: Dict[str, float] = field(default_factory=dict)
 
     @staticmethod
     def of(
@@ -181,6 +191,7 @@ class Config:
         lease_ttl_ms: int,
         draft_headers: bool,
         shadow: Iterable[str] = (),
+        wait: Optional[Dict[str, float]] = None,
     ) -> "Config":
         address = client_address or _peer
         if trusted_proxy_header is not None:
@@ -197,6 +208,11 @@ class Config:
         shadowed: FrozenSet[str] = frozenset((shadow,) if isinstance(shadow, str) else shadow)
         if not shadowed <= set(LIMITS):
             raise ValueError(f"shadow takes limits of {', '.join(LIMITS)}")
+        waits = dict(wait or {})
+        if not set(waits) <= {"client", "key", "concurrency"}:
+            raise ValueError("wait takes limits of client, key, concurrency")
+        for seconds in waits.values():
+            wait_words(seconds)
         return Config(
             client_bucket,
             address,
@@ -207,6 +223,7 @@ class Config:
             limiter._back_off,
             limiter._deadline,
             limit_states={limit: LimitState(limit in shadowed) for limit in LIMITS},
+            waits=waits,
         )
 
     def limit_counts(self, limit: str) -> LimitCounts:
@@ -260,12 +277,17 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Call:
-    """A limiter call for the driver: ``method`` of the limiter with ``arguments``;
-    "lease" takes a slot (the guard's enter) and answers the guard, "lease_exit"
-    leaves it."""
+    """A limiter call for the driver: ``method`` of the limiter with ``arguments`` (and
+    ``wait=`` when it may wait); "lease" takes a slot (the guard's enter) and answers
+    the guard, "lease_exit" leaves it."""
 
     method: str
     arguments: Tuple[Any, ...]
+    wait: Optional[float] = None
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        return {} if self.wait is None else {"wait": self.wait}
 
 
 Step = Generator[Call, Any, Any]
@@ -315,6 +337,8 @@ class Limiting:
         # The clock (Unix seconds) a quota's refusal was decided by, for its fields:
         # their ``t`` is then its ``retry-after``.
         self.refused_at: Optional[int] = None
+        # Seconds the request waited for its slot (WAIT).
+        self.slot_waited = 0.0
         self.lease: Any = None
         self.admitted: Optional[Admitted] = None
         self._ended = False
@@ -342,20 +366,23 @@ class Limiting:
     def _admit(self) -> Step:
         client_bucket, key_bucket, quota = self.client_bucket, self.key_bucket, self.limits.quota
         taken: Optional[TakenWithQuota] = None
+        waits = self.config.waits
+        # The buckets, taken together, wait up to the longer of their waits.
+        wait = max((waits[side] for side in ("client", "key") if side in waits), default=None)
         if self.quota_key is not None and quota is not None:
             taken = yield Call(
-                "take_with_quota", (client_bucket, key_bucket, self.quota_key, quota)
+                "take_with_quota", (client_bucket, key_bucket, self.quota_key, quota), wait
             )
             self.client, self.key = taken.client, taken.key
             # Whatever the buckets say: a refusal shows what is left of the quota.
             self.quota = taken.quota
         elif client_bucket is not None and key_bucket is not None:
-            pair = yield Call("take_pair", (client_bucket, key_bucket))
+            pair = yield Call("take_pair", (client_bucket, key_bucket), wait)
             self.client, self.key = pair.client, pair.key
         elif client_bucket is not None:
-            self.client = yield Call("take", (client_bucket,))
+            self.client = yield Call("take", (client_bucket,), wait)
         elif key_bucket is not None:
-            self.key = yield Call("take", (key_bucket,))
+            self.key = yield Call("take", (key_bucket,), wait)
         self._count("client", self.client)
         if self.client is not None and not self.client.allowed:
             if not self._shadowed("client"):
@@ -384,9 +411,12 @@ class Limiting:
             max_slots = self.limits.max_concurrent
             try:
                 self.lease = yield Call(
-                    "lease", (slots, max_slots, self.config.lease_ttl_ms, self.id)
+                    "lease",
+                    (slots, max_slots, self.config.lease_ttl_ms, self.id),
+                    waits.get("concurrency"),
                 )
             except QagRefused as refused:
+                self.slot_waited = refused.waited
                 self._count("concurrency", refused)
                 self.slots = (max_slots, refused.live)
                 if not self._shadowed("concurrency"):
@@ -394,6 +424,7 @@ class Limiting:
                     yield from self._give_back()
                     return Refusal("concurrency")
             else:
+                self.slot_waited = self.lease.waited
                 self._count("concurrency", self.lease)
                 if self.lease.answered_by != "forwarded":
                     self.slots = (max_slots, self.lease.live)
@@ -452,6 +483,7 @@ class Limiting:
             now=self.refused_at,
             draft=self.config.draft_headers,
             slots=self.slots,
+            slot_waited=self.slot_waited,
         )
 
     def refused(self, refusal: Refusal) -> Tuple[int, Fields, bytes]:
@@ -526,12 +558,12 @@ def _drive_sync(limiter: Any, step: Step) -> Any:
         reply, error = None, None
         try:
             if call.method == "lease":
-                guard = limiter.lease(*call.arguments)
+                guard = limiter.lease(*call.arguments, **call.options)
                 reply = guard.__enter__()
             elif call.method == "lease_exit":
                 call.arguments[0].__exit__(None, None, None)
             else:
-                reply = getattr(limiter, call.method)(*call.arguments)
+                reply = getattr(limiter, call.method)(*call.arguments, **call.options)
         except QagError as failed:
             error = failed
 
@@ -554,11 +586,11 @@ async def _drive_async(limiter: Any, step: Step) -> Any:
         reply, error = None, None
         try:
             if call.method == "lease":
-                guard = limiter.lease(*call.arguments)
+                guard = limiter.lease(*call.arguments, **call.options)
                 reply = await guard.__aenter__()
             elif call.method == "lease_exit":
                 await call.arguments[0].__aexit__(None, None, None)
             else:
-                reply = await getattr(limiter, call.method)(*call.arguments)
+                reply = await getattr(limiter, call.method)(*call.arguments, **call.options)
         except QagError as failed:
             error = failed

@@ -32,7 +32,7 @@ from ._driver import (
     pool_settings,
     stale,
 )
-from ._engine import Pipeline, Request, RunScript, T
+from ._engine import Pipeline, Request, RunScript, T, waiting_of
 
 if TYPE_CHECKING:
     from typing import Concatenate, ParamSpec
@@ -258,6 +258,8 @@ class Limiter(Driver["Lease", "Reservation"]):
     has no module before asking again. ``cross_slot`` (a cluster): a ``take_pair`` whose
     buckets are in different slots raises QagCrossSlot ("raise") or is two calls, the
     client bucket's token given back when the key bucket refuses ("two_calls").
+    ``max_waiting``: how many calls may wait at once (``wait=``: each on a connection of
+    its own, per node; QagBusy past the queue time).
 
     On a cluster every call goes to the node owning its keys' slot, on connections of
     the limiter's own made with the cluster client's settings; each node has its own
@@ -290,6 +292,7 @@ class Limiter(Driver["Lease", "Reservation"]):
         for node in self._shards.all():
             # A client made on a given pool leaves it open when closed: closed here.
             node.client.connection_pool.disconnect()
+            node.wait_client.connection_pool.disconnect()
 
     def _drive(self, driven: Driven[T], stop: Optional[threading.Event] = None) -> T:
         """Performs a driven call's effects until it answers (``stop``: background work,
@@ -315,7 +318,7 @@ class Limiter(Driver["Lease", "Reservation"]):
             finally:
                 _ROUND_TRIP.reset(token)
         if isinstance(effect, Acquire):
-            return effect.node.gate.acquire(effect.deadline, effect.still_wanted)
+            return effect.gate.acquire(effect.deadline, effect.still_wanted)
         if isinstance(effect, Sleep):
             if stop is None:
                 time.sleep(effect.seconds)
@@ -323,6 +326,7 @@ class Limiter(Driver["Lease", "Reservation"]):
                 raise Stopped()
         elif isinstance(effect, Disconnect):
             effect.node.client.connection_pool.disconnect()
+            effect.node.wait_client.connection_pool.disconnect()
         elif isinstance(effect, Dropped) and effect.demoted:
             effect.node.epoch.count += 1
         # Dropped otherwise: the blocking pool checks a connection before it hands it out.
@@ -363,18 +367,20 @@ class Limiter(Driver["Lease", "Reservation"]):
 
 
 def _send(node: Node, request: Request, asking: bool) -> Any:
+    # A request the server may hold waits on a connection of its own.
+    client = node.wait_client if waiting_of(request) else node.client
     if isinstance(request, Pipeline):  # its commands in one round trip
-        pipe = node.client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
         node.pipeline(request, asking, pipe)
         return pipelined(pipe.execute(raise_on_error=False), asking)
     if asking:  # ASK: ASKING, then the request, on one connection
-        pipe = node.client.pipeline(transaction=False)
+        pipe = client.pipeline(transaction=False)
         pipe.execute_command("ASKING")
         pipe.execute_command(*node.words(request))
         return pipe.execute()[1]
     if isinstance(request, RunScript):
         return node.scripts[request.script](keys=[request.key], args=list(request.arguments))
-    return node.client.execute_command(*node.words(request))
+    return client.execute_command(*node.words(request))
 
 
 __all__: List[str] = ["Lease", "Limiter", "Reservation"]

@@ -78,7 +78,13 @@ class RateLimitMiddleware:
     renewed; ``draft_headers=False`` leaves out ``ratelimit-policy`` and ``ratelimit``;
     ``shadow``: limits ("client", "key", "quota", "concurrency") asked and counted as
     usual whose refusals are let through, logged (a line a second at most) and counted
-    in ``limit_counts``, never answered 429: to try a limit on live traffic first."""
+    in ``limit_counts``, never answered 429: to try a limit on live traffic first;
+    ``wait``: seconds a request may wait for a limit's turn instead of a 429, by limit
+    (``{"client": 0.5, "key": 0.5, "concurrency": 2.0}``; the quota never waits): held
+    by the server in arrival order across every gateway instance (the limiter's
+    ``wait=``), the 429 only when the wait cannot fit, and a request that waited says how
+    long in ``server-timing`` (``qag-wait;dur=<ms>``); a request's two buckets, taken
+    together, wait up to the longer of their waits."""
 
     def __init__(
         self,
@@ -93,6 +99,7 @@ class RateLimitMiddleware:
         lease_ttl_ms: int = 30_000,
         draft_headers: bool = True,
         shadow: Iterable[str] = (),
+        wait: Optional[Dict[str, float]] = None,
     ) -> None:
         self.app = app
         self.limiter = limiter
@@ -106,6 +113,7 @@ class RateLimitMiddleware:
             lease_ttl_ms,
             draft_headers,
             shadow,
+            wait,
         )
 
     def limit_counts(self, limit: str) -> LimitCounts:

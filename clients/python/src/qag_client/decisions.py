@@ -72,12 +72,20 @@ class QagRefused(QagError):
     process's count when ``answered_by`` is "local"). ``headers(lease=...)`` renders it
     as ``retry-after: 1``."""
 
-    def __init__(self, live: int, retry_after: Optional[int], answered_by: str = "module") -> None:
+    def __init__(
+        self,
+        live: int,
+        retry_after: Optional[int],
+        answered_by: str = "module",
+        waited: float = 0.0,
+    ) -> None:
         wait = "never" if retry_after is None else f"{retry_after} s"
         super().__init__(f"every slot is held ({live} live); retry after {wait}")
         self.live = live
         self.retry_after = retry_after
         self.answered_by = answered_by
+        # Seconds the call waited for a slot (``wait=``) before it was refused.
+        self.waited = waited
 
 
 ANSWERED_BY = ("module", "script", "local", "forwarded")
@@ -112,6 +120,8 @@ class Decision:
     remaining: int
     retry_after: Optional[int]
     answered_by: str = "module"
+    # Seconds the server held the call for its tokens (``wait=``): 0 when answered at once.
+    waited: float = 0.0
 
     @property
     def backend(self) -> str:
@@ -287,6 +297,26 @@ class LeaseGrant:
     live: int
     retry_after: Optional[int]
     answered_by: str = "module"
+    # Seconds the server held the call for a slot (``wait=``).
+    waited: float = 0.0
+
+
+# The longest a call may wait (``wait=``), as the module bounds WAIT.
+MAX_WAIT = 60.0
+
+
+def wait_words(wait: Optional[float]) -> Tuple[object, ...]:
+    """``WAIT ms`` for a call that may wait ``wait`` seconds for its turn (None: it
+    answers at once); checked before anything is sent."""
+    if wait is None:
+        return ()
+    if (
+        isinstance(wait, bool)
+        or not isinstance(wait, (int, float))
+        or not 0 <= wait <= MAX_WAIT  # NaN fails too
+    ):
+        raise ValueError(f"wait must be a number of seconds from 0 to {MAX_WAIT:g}")
+    return ("WAIT", min(math.ceil(wait * 1000), int(MAX_WAIT * 1000)))
 
 
 def _integer(name: str, value: object, low: int, high: int) -> int:
@@ -343,12 +373,14 @@ class BucketCall:
         return base if self.cost == 1 else base + ("COST", self.cost)
 
     def decision(self, reply: object, answered_by: str) -> Decision:
-        values = _integers(reply, 3, "a bucket reply")
+        """A decision from QAG.TAKE's (or the script's) reply, ``[allowed, left,
+        retry]``, or with WAIT ``[allowed, left, retry, waited_ms]``."""
+        values, waited = _waited(reply, 3, "a bucket reply")
         allowed, left, retry = values
         if allowed not in (0, 1) or left < 0 or retry < -1:
             raise QagServerError(f"a bucket reply, got {reply!r}")
         wait = None if retry == -1 else retry
-        return Decision(bool(allowed), self.count, self.period, left, wait, answered_by)
+        return Decision(bool(allowed), self.count, self.period, left, wait, answered_by, waited)
 
     def refund_arguments(self, n: int) -> Tuple[object, ...]:
         """QAG.REFUND's (and the refund script's) count, period and n."""
@@ -519,6 +551,17 @@ def _integers(reply: object, length: int, what: str) -> List[int]:
     return list(reply)
 
 
+def _waited(reply: object, length: int, what: str) -> Tuple[List[int], float]:
+    """A reply of ``length`` integers, and with WAIT one more, the milliseconds the
+    call waited (as seconds)."""
+    if isinstance(reply, (list, tuple)) and len(reply) == length + 1:
+        values = _integers(reply, length + 1, what)
+        if values[length] < 0:
+            raise QagServerError(f"{what}, got {reply!r}")
+        return values[:length], values[length] / 1000
+    return _integers(reply, length, what), 0.0
+
+
 def _non_negative(value: Optional[int]) -> Optional[int]:
     if value is not None and (not isinstance(value, int) or value < 0):
         raise QagServerError(f"a count of at least 0, got {value!r}")
@@ -561,5 +604,6 @@ def admission(reply: object) -> Admission:
 
 
 def lease_grant(reply: object) -> LeaseGrant:
-    acquired, live, retry = _integers(reply, 3, "a QAG.LEASE reply")
-    return LeaseGrant(acquired == 1, max(live, 0), None if retry == -1 else max(retry, 0))
+    (acquired, live, retry), waited = _waited(reply, 3, "a QAG.LEASE reply")
+    retry_after = None if retry == -1 else max(retry, 0)
+    return LeaseGrant(acquired == 1, max(live, 0), retry_after, "module", waited)

@@ -144,6 +144,7 @@ def headers(
     slots: Optional[Tuple[int, int]] = None,
     chain: Optional[Chain] = None,
     window: Optional[int] = None,
+    slot_waited: float = 0.0,
 ) -> List[Tuple[str, str]]:
     """The header fields for a request's decisions, as (lowercase name, value) pairs.
 
@@ -155,7 +156,9 @@ def headers(
     (``admit``'s answer or a reservation's), ``window`` its seconds (None: 60), for the
     ``x-ratelimit-*-requests`` and ``-tokens`` fields; ``now`` in Unix seconds (default:
     this machine's clock); ``draft=False`` leaves out ``ratelimit-policy`` and
-    ``ratelimit``. Decisions answered "forwarded" counted nothing and render nothing."""
+    ``ratelimit``; ``slot_waited``: the seconds the request waited for its slot (with
+    its buckets' ``waited``, the ``server-timing`` field ``qag-wait;dur=<ms>``).
+    Decisions answered "forwarded" counted nothing and render nothing."""
     now_ms = round((time.time() if now is None else now) * 1000)
     now_s = now_ms // 1000
     client, key = (None if d is None or d.answered_by == "forwarded" else d for d in (client, key))
@@ -214,6 +217,12 @@ def headers(
         fields.append(("ratelimit-policy", ", ".join(limit.policy_item() for limit in limits)))
         ordered = sorted(limits, key=_Limit.restrictiveness)
         fields.append(("ratelimit", ", ".join(limit.service_item() for limit in ordered)))
+    # How long the server held the request (WAIT): its buckets' wait (one, taken
+    # together) and its slot's.
+    buckets = max((decision.waited for decision in (client, key) if decision), default=0.0)
+    waited = round((buckets + slot_waited) * 1000)
+    if waited > 0:
+        fields.append(("server-timing", f"qag-wait;dur={waited}"))
     if waits and all(wait is not None for wait in waits):
         fields.append(("retry-after", str(max(wait or 1 for wait in waits))))
     return fields

@@ -66,6 +66,7 @@ class RateLimitWSGI:
         lease_ttl_ms: int = 30_000,
         draft_headers: bool = True,
         shadow: Iterable[str] = (),
+        wait: Optional[Dict[str, float]] = None,
     ) -> None:
         self.app = app
         self.limiter = limiter
@@ -79,6 +80,7 @@ class RateLimitWSGI:
             lease_ttl_ms,
             draft_headers,
             shadow,
+            wait,
         )
 
     def limit_counts(self, limit: str) -> LimitCounts:
