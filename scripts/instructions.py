@@ -94,6 +94,17 @@ def record(k):
     return [["QAG.RECORD", 3] + window_keys(k) + [120, "WINDOW", 3600]]
 
 
+# A spend call as the clients send it by default (issue 37): the limiter's own id (16 hex
+# characters made once a process, a counter), remembered KEEP 10 seconds; the key already
+# remembers one id, its warm call's (remembered ID-SECONDS: none is forgotten mid-row).
+def own_id(i):
+    return "9f86d081884c7d65-%d" % i
+
+
+def quota_add_kept(k, i):
+    return [["QAG.QUOTA.ADD", "q:%d" % k] + ZONE + ["CALLS", 1, "ROWS", 0, "ID", own_id(i), "KEEP", 10]]
+
+
 def rows(sha, cell):
     r = [
         # name, family, kind, warm, call
@@ -156,10 +167,18 @@ def rows(sha, cell):
         ("QAG.QUOTA.ADD", "HINCRBY", "existing",
          lambda k: [["QAG.QUOTA.ADD", "q:%d" % k] + ZONE + ["CALLS", 1]],
          lambda k, i: [["QAG.QUOTA.ADD", "q:%d" % k] + ZONE + ["CALLS", 1]]),
+        # What QAG.QUOTA.ADD is from either client: CALLS and ROWS, the limiter's own id, KEEP.
+        ("QAG.QUOTA.ADD ID KEEP", "HINCRBY", "existing",
+         lambda k: [["QAG.QUOTA.ADD", "q:%d" % k] + ZONE + ["CALLS", 1, "ROWS", 0, "ID", "w"]],
+         quota_add_kept),
         ("QAG.ADMIT (3 scopes)", "HINCRBY × 3", "existing", lambda k: admit(k), lambda k, i: admit(k)),
         ("QAG.ADMIT RESERVE (3 scopes)", "HINCRBY × 3", "existing", lambda k: reserve(k, "w"),
          lambda k, i: reserve(k, "r%d" % i)),
         ("QAG.RECORD (3 scopes)", "HINCRBY × 3", "existing", lambda k: admit(k), lambda k, i: record(k)),
+        # What a record is from either client (an id the limiter's, KEEP 10).
+        ("QAG.RECORD ID KEEP (3 scopes)", "HINCRBY × 3", "existing",
+         lambda k: admit(k) + [record(k)[0] + ["ID", "w"]],
+         lambda k, i: [record(k)[0] + ["ID", own_id(i), "KEEP", 10]]),
         ("QAG.THROTTLE", "SET PX", "existing", lambda k: throttle("QAG.THROTTLE", "t:%d" % k),
          lambda k, i: throttle("QAG.THROTTLE", "t:%d" % k)),
         ("QAG.THROTTLE", "SET PX", "creating", lambda k: throttle("QAG.THROTTLE", "t:%d" % k),
