@@ -195,7 +195,6 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     throttle::set_skew_seconds(options.throttle_skew_seconds);
     replay::init(options.id_seconds, options.id_max);
     wait::set_max_waiters(options.max_waiters);
-    wait::init(ctx.ctx);
     stats::clear();
     let mut features = Features {
         qag_category: add_acl_category(ctx),

@@ -109,6 +109,10 @@ struct Registry {
     /// Give-backs the next `on_give_backs` makes, and whether its timer runs.
     give_backs: Vec<GiveBack>,
     give_back_timer: bool,
+    /// Whether the module is subscribed to the keyspace events that free a slot: only
+    /// while slot waiters may be waiting, since every subscribed event on any key costs
+    /// the server a context of its own (about 600 instructions).
+    watching: bool,
 }
 
 thread_local! {
@@ -166,6 +170,9 @@ pub fn hold(ctx: &Ctx, held: Box<dyn Held>, due_micros: i64, timed: bool) -> Rep
     // SAFETY: the client just blocked.
     unsafe { raw::RedisModule_SetDisconnectCallback.unwrap()(client, Some(on_disconnect)) };
     let db = selected_db(ctx);
+    if !timed {
+        watch_keys(ctx);
+    }
     with(|r| {
         r.next_seq += 1;
         let seq = r.next_seq;
@@ -393,15 +400,49 @@ extern "C" fn on_key_event(
     raw::REDISMODULE_OK as c_int
 }
 
-/// Subscribes to the events that may free a slot (a member removed, a key deleted,
-/// expired or evicted); called once at load.
-pub fn init(ctx: *mut raw::RedisModuleCtx) {
-    let events = raw::REDISMODULE_NOTIFY_ZSET
-        | raw::REDISMODULE_NOTIFY_GENERIC
-        | raw::REDISMODULE_NOTIFY_EXPIRED
-        | raw::REDISMODULE_NOTIFY_EVICTED;
-    // SAFETY: the load context; checked present at load.
-    unsafe { raw::RedisModule_SubscribeToKeyspaceEvents.unwrap()(ctx, events, Some(on_key_event)) };
+/// The events that may free a slot: a member removed, a key deleted, expired or evicted.
+const SLOT_EVENTS: c_int = (raw::REDISMODULE_NOTIFY_ZSET
+    | raw::REDISMODULE_NOTIFY_GENERIC
+    | raw::REDISMODULE_NOTIFY_EXPIRED
+    | raw::REDISMODULE_NOTIFY_EVICTED) as c_int;
+
+/// How often, while subscribed, the module looks whether any slot waiter is left.
+const QUIET_CHECK_MS: i64 = 1000;
+
+/// Subscribes to [`SLOT_EVENTS`] when the first slot waiter blocks. Where the server can
+/// unsubscribe (Redis 8 of those tested), a timer unsubscribes once none is left;
+/// elsewhere (Redis 7.0, Valkey 8 and 9) the subscription stays until the module unloads.
+fn watch_keys(ctx: &Ctx) {
+    if with(|r| std::mem::replace(&mut r.watching, true)) {
+        return;
+    }
+    // SAFETY: a live command context; checked present at load.
+    unsafe {
+        raw::RedisModule_SubscribeToKeyspaceEvents.unwrap()(
+            ctx.raw(),
+            SLOT_EVENTS,
+            Some(on_key_event),
+        )
+    };
+    if unsafe { raw::RedisModule_UnsubscribeFromKeyspaceEvents }.is_some() {
+        start_timer(ctx, QUIET_CHECK_MS * 1000, on_quiet_check, 0);
+    }
+}
+
+/// Unsubscribes when no slot waiter is left, else looks again later. A timer, never
+/// inside an event: the server still uses a subscription after its callback returns.
+extern "C" fn on_quiet_check(ctx: *mut raw::RedisModuleCtx, _data: *mut c_void) {
+    let _ = guarded(|| {
+        let ctx = Ctx(ctx);
+        if with(|r| r.waiters.values().any(|waiter| !waiter.timed)) {
+            start_timer(&ctx, QUIET_CHECK_MS * 1000, on_quiet_check, 0);
+            return;
+        }
+        // SAFETY: a live timer context; the same events and callback as subscribed.
+        let unsubscribe = unsafe { raw::RedisModule_UnsubscribeFromKeyspaceEvents }.unwrap();
+        unsafe { unsubscribe(ctx.raw(), SLOT_EVENTS, Some(on_key_event)) };
+        with(|r| r.watching = false);
+    });
 }
 
 extern "C" fn on_check(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {

@@ -1,7 +1,7 @@
 //! `WAIT ms` on a real server: waiters served in arrival order at their tokens' time,
 //! from many connections and from two client processes; a waiter gone or unblocked
-//! giving back what it was charged; leases given to waiters on a release and when a
-//! lease runs out; TAKE2 and THROTTLE; MULTI, scripts and MAX-WAITERS answering at once;
+//! giving back what it was charged; leases given to waiters on a release, when a
+//! lease runs out and when another command frees a slot; TAKE2 and THROTTLE; MULTI, scripts and MAX-WAITERS answering at once;
 //! the charge and the give-back replicated as effects; a replay after a failover
 //! charged once; the script reading a bucket its waiters charged ahead.
 
@@ -351,6 +351,48 @@ fn leases_go_to_waiters_in_arrival_order_on_release_and_on_expiry() {
         ints(&mut con, &["QAG.LEASE", "e", "1", "60000", "z"]),
         [0, 1, 1]
     );
+}
+
+/// A slot freed by another command wakes the first slot waiter: DEL, ZREM (a script's
+/// release) and the key expiring. The module subscribes to those events only while slot
+/// waiters wait, and subscribes again for the next: the last case comes after the
+/// module has had time to drop its subscription (where the server can).
+#[test]
+fn a_slot_freed_by_another_command_wakes_a_waiter() {
+    if external("a_slot_freed_by_another_command_wakes_a_waiter") {
+        return;
+    }
+    let _timed = Cores::shared();
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let frees: [(&str, &[&str]); 4] = [
+        ("del", &["DEL", "k"]),
+        ("zrem", &["ZREM", "k", "a"]),
+        ("expired", &["PEXPIRE", "k", "50"]),
+        ("del after quiet", &["DEL", "k"]),
+    ];
+    for (n, (what, free)) in frees.into_iter().enumerate() {
+        if what.ends_with("quiet") {
+            std::thread::sleep(Duration::from_millis(2500));
+        }
+        assert_eq!(ints(&mut con, &["QAG.LEASE", "k", "1", "60000", "a"])[0], 1);
+        let waiter = wait_on(
+            &server,
+            &["QAG.LEASE", "k", "1", "60000", "w", "WAIT", "5000"],
+        );
+        until_info(&mut con, "wait_started", n as i64 + 1);
+        let freed = Instant::now();
+        let _: redis::Value = cmd(free[0]).arg(&free[1..]).query(&mut con).unwrap();
+        let (reply, at) = waiter.join().unwrap();
+        assert_eq!(reply[..3], [1, 1, 0], "{what}");
+        let after = at.saturating_duration_since(freed);
+        let bound = Duration::from_millis(if what == "expired" { 300 } else { 50 });
+        assert!(
+            after < bound,
+            "{what}: served {after:?} after the slot was freed"
+        );
+        let _: i64 = cmd("DEL").arg("k").query(&mut con).unwrap();
+    }
 }
 
 /// TAKE2 waits for the later of its buckets and charges both when it arrives, or
