@@ -446,6 +446,7 @@ def busy_cores() -> Iterator[None]:
                 burner.wait()
 
 
+@pytest.mark.cores
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_the_gateways_own_load_is_no_outage(
     start_server: Callable[..., Server], busy_cores: None, kind: str

@@ -156,13 +156,15 @@ impl Counts {
 
 /// At most one log line per `every` for an event that may repeat thousands of times a
 /// second (requests answered 503 in an outage): [`LogEvery::due`] says whether to write
-/// one now, and how many it left out since the last.
+/// one now, and how many it left out since the last. The tower layer's.
+#[cfg(feature = "tower")]
 #[derive(Debug, Default)]
 pub(crate) struct LogEvery {
     last: Option<Instant>,
     left_out: u64,
 }
 
+#[cfg(feature = "tower")]
 impl LogEvery {
     /// None while it is too soon (the event counted), else how many were left out.
     pub(crate) fn due(&mut self, now: Instant, every: Duration) -> Option<u64> {
@@ -286,6 +288,7 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "tower")]
     #[test]
     fn a_repeated_log_line_is_written_once_a_second_with_what_it_left_out() {
         let (start, second) = (Instant::now(), Duration::from_secs(1));
