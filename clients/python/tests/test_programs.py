@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import subprocess
 import sys
 import time
@@ -70,3 +71,46 @@ def test_one_address_across_several_keys_is_limited_by_its_own_bucket(
     other = gateway.handle(limiter, "198.51.100.7", "acme", "key0", "req-other")
     assert other[0] == 200, "another address has a bucket of its own"
     limiter.close()
+
+
+WAIT_DEMO = Path(__file__).resolve().parents[1] / "examples/wait_demo.py"
+
+
+def test_the_wait_demo_shows_waiting_refuses_nothing(
+    start_server: Callable[..., Server], timing: None
+) -> None:
+    """Forwarded as they come, the upstream refuses what is over its 10 a second; taken
+    first, the gateway refuses instead and the upstream nothing; with a wait, nobody
+    refuses and the upstream still serves its 10 a second."""
+    server = start_server()
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(WAIT_DEMO),
+            "--redis",
+            server.url,
+            "--callers",
+            "20",
+            "--seconds",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    counts = {}
+    for line in run.stdout.splitlines():
+        found = re.match(
+            r"(\w+): .* (\d+) served .* (\d+) refused by the gateway .* (\d+) refused by the "
+            r"upstream",
+            line,
+        )
+        assert found, line
+        counts[found[1]] = tuple(int(n) for n in found.groups()[1:])
+    served, gateway, upstream = counts["none"]
+    assert served >= 30 and gateway == 0 and upstream > served, run.stdout
+    served, gateway, upstream = counts["take"]
+    assert served >= 1 and gateway > served and upstream == 0, run.stdout
+    served, gateway, upstream = counts["wait"]
+    assert served >= 25 and gateway == 0 and upstream == 0, run.stdout

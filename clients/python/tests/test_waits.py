@@ -1,7 +1,7 @@
 """Waiting instead of a refusal (``wait=``) on both limiters: waiting calls served in
 arrival order on connections of their own while other calls go on unstalled; a wait
 cut short (a cancelled task, the call's deadline) leaves nothing charged or held; a
-lease waiting for a slot; without the module, an answer at once; bad waits refused
+lease waiting for a slot; waits beyond ``max_waiting`` busy; without the module, an answer at once; bad waits refused
 before anything is sent; through the FastAPI example, a request that waits says so in
 ``server-timing``."""
 
@@ -16,7 +16,7 @@ from typing import Any, Callable, List
 import pytest
 
 from conftest import Server
-from qag_client import AsyncLimiter, Bucket, Limiter, QagRefused
+from qag_client import AsyncLimiter, Bucket, Limiter, QagBusy, QagRefused
 
 
 def info(server: Server, field: str) -> int:
@@ -94,6 +94,37 @@ def test_a_cancelled_wait_leaves_nothing_charged(start_server: Callable[..., Ser
     asyncio.run(scenario())
     tokens = float(server.client().hget(bucket.key, "tokens") or b"0")
     assert tokens > -0.5, tokens
+
+
+def test_waits_beyond_max_waiting_are_busy(start_server: Callable[..., Server]) -> None:
+    """``max_waiting`` bounds the connections a process keeps waiting: with two waiting,
+    a third waiting call finds none free within its queue_timeout and raises QagBusy
+    (this process's overload: no back-off), while calls that do not wait go on; once a
+    waiter is answered its connection serves the next."""
+    server = start_server()
+    limiter = AsyncLimiter(server.async_client(), max_waiting=2)
+    bucket = Bucket("qag:ratelimit:key:2/2:acme~busy", 2, 2)
+
+    async def scenario() -> None:
+        assert (await limiter.take(bucket, 2)).allowed
+        waiting = []
+        for n in range(2):
+            waiting.append(asyncio.ensure_future(limiter.take(bucket, wait=5.0)))
+            while info(server, "wait_started") < n + 1:
+                await asyncio.sleep(0.002)
+        started = time.monotonic()
+        with pytest.raises(QagBusy):
+            await limiter.take(bucket, wait=5.0)
+        took = time.monotonic() - started
+        assert 0.45 <= took < 1.5, took
+        assert not limiter.backing_off
+        assert (await limiter.take(Bucket("qag:ratelimit:key:100/1:acme~other", 100, 1))).allowed
+        for call in waiting:
+            assert (await call).allowed
+        assert (await limiter.take(bucket, wait=5.0)).allowed
+        await limiter.aclose()
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

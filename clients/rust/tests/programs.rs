@@ -210,3 +210,49 @@ fn the_gateway_example_runs_and_is_the_readmes() {
         text(&run.stdout)
     );
 }
+
+/// The wait demo, short: forwarded as they come, the upstream refuses what is over its
+/// 10 a second; taken first, the gateway refuses instead and the upstream nothing; with
+/// a wait, nobody refuses and the upstream still serves its 10 a second.
+#[test]
+fn the_wait_demo_shows_waiting_refuses_nothing() {
+    if external("the_wait_demo_shows_waiting_refuses_nothing") {
+        return;
+    }
+    let _timed = Cores::shared();
+    let server = Server::start(&ServerOptions::default());
+    let url = format!("redis://127.0.0.1:{}/", server.port);
+    let run = example(
+        "wait_demo",
+        &["--redis", &url, "--callers", "20", "--seconds", "3"],
+    );
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let out = text(&run.stdout);
+    // "<run>: … s: <served> served (…), <n> refused by the gateway (…), <n> refused by
+    // the upstream (…); …"
+    let counts = |name: &str| -> [u64; 3] {
+        let line = out
+            .lines()
+            .find(|line| line.starts_with(&format!("{name}: ")))
+            .unwrap_or_else(|| panic!("no {name} line in {out}"));
+        let number_before = |words: &str| -> u64 {
+            let head = &line[..line.find(words).unwrap_or_else(|| panic!("{line}"))];
+            head.trim_end()
+                .rsplit(' ')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("{line}"))
+        };
+        [
+            number_before(" served ("),
+            number_before(" refused by the gateway"),
+            number_before(" refused by the upstream"),
+        ]
+    };
+    let [served, gateway, upstream] = counts("none");
+    assert!(served >= 30 && gateway == 0 && upstream > served, "{out}");
+    let [served, gateway, upstream] = counts("take");
+    assert!(served >= 1 && gateway > served && upstream == 0, "{out}");
+    let [served, gateway, upstream] = counts("wait");
+    assert!(served >= 25 && gateway == 0 && upstream == 0, "{out}");
+}

@@ -1,7 +1,8 @@
 //! Waiting instead of a refusal through the crate (`Limiter::with_wait`): waiting calls
 //! served in arrival order on connections of their own while every other call goes on
 //! unstalled; a wait cut short (its future dropped) leaves nothing charged or held; a
-//! lease waiting for a slot; a server without the module answering at once; the bounds.
+//! lease waiting for a slot; waits beyond `max_waiting` busy; a server without the
+//! module answering at once; the bounds.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -203,4 +204,53 @@ async fn without_the_module_a_wait_answers_at_once() {
         own.with_wait(Duration::from_secs(1)),
         Err(Error::InvalidArgument(_))
     ));
+}
+
+/// `max_waiting` bounds the connections a process keeps waiting: with two waiting, a
+/// third waiting call finds none free within its deadline and is `Error::Busy` (this
+/// process's overload: no back-off), while calls that do not wait go on; once a waiter
+/// is answered its connection serves the next.
+#[tokio::test(flavor = "multi_thread")]
+async fn waits_beyond_max_waiting_are_busy() {
+    if external("waits_beyond_max_waiting_are_busy") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let url = format!("redis://127.0.0.1:{}/", server.port);
+    let options = Options {
+        max_waiting: 2,
+        ..Options::default()
+    };
+    let limiter = Limiter::connect(&url, options).await.unwrap();
+    let bucket = Bucket::with_key("qag:ratelimit:key:2/2:acme~busy", 2, 2.0);
+    assert!(limiter.take(&bucket, 2).await.unwrap().allowed);
+    let waiting = limiter.with_wait(Duration::from_secs(5)).unwrap();
+    let mut calls = Vec::new();
+    for n in 0..2 {
+        let (waiting, bucket) = (waiting.clone(), bucket.clone());
+        calls.push(tokio::spawn(async move { waiting.take(&bucket, 1).await }));
+        while info(&mut con, "wait_started") < n + 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    let started = Instant::now();
+    let third = waiting.take(&bucket, 1).await;
+    let took = started.elapsed();
+    assert!(matches!(third, Err(Error::Busy(_))), "{third:?}");
+    // Within its deadline (0.5 s) and not before it: it waited for a connection.
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    assert!(!limiter.backing_off());
+    let other = Bucket::with_key("qag:ratelimit:key:100/1:acme~other", 100, 1.0);
+    assert!(limiter.take(&other, 1).await.unwrap().allowed);
+    for call in calls {
+        assert!(call.await.unwrap().unwrap().allowed);
+    }
+    // Their connections are free again: the next waiting call is sent, and served at
+    // its token's time.
+    let next = waiting.take(&bucket, 1).await.unwrap();
+    assert!(next.allowed, "{next:?}");
 }
