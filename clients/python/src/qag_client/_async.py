@@ -14,28 +14,8 @@ import redis.asyncio
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
-from ._driver import (
-    Acquire,
-    DeadlinePassed,
-    Disconnect,
-    Driven,
-    Driver,
-    Dropped,
-    Effect,
-    LeaseGuard,
-    Node,
-    NotSent,
-    OVERDUE_GRACE,
-    RoundTrip,
-    ReservationGuard,
-    Send,
-    Sleep,
-    named_after,
-    pipelined,
-    pool_settings,
-    stale,
-)
-from ._engine import Pipeline, Request, RunScript, T, waiting_of
+from . import _driver as driver
+from ._engine import Request, T
 
 if TYPE_CHECKING:
     from typing import Concatenate, ParamSpec
@@ -43,7 +23,9 @@ if TYPE_CHECKING:
     P = ParamSpec("P")
 
 # The running round trip (per task: its context is copied into the task that sends).
-_ROUND_TRIP: ContextVar[Optional[RoundTrip]] = ContextVar("qag_async_round_trip", default=None)
+_ROUND_TRIP: ContextVar[Optional[driver.RoundTrip]] = ContextVar(
+    "qag_async_round_trip", default=None
+)
 _TRACKED: Dict[type, type] = {}
 # Turns of the event loop a round trip is given after its deadline for an answer already
 # on its way (read from the socket, parsed): a busy loop's delay, not the server's.
@@ -61,7 +43,7 @@ def _tracked(connection_class: type) -> type:
             round_trip = _ROUND_TRIP.get()
             if round_trip is not None:
                 round_trip.write(asyncio.get_running_loop().time())
-            if stale(self):  # made before its node was found demoted: made again
+            if driver.stale(self):  # made before its node was found demoted: made again
                 self.qag_epoch = None  # (the handshake's own commands send through here)
                 await self.disconnect()
                 await self.connect()
@@ -150,7 +132,7 @@ class _Task:
     """Background work as a task of the running loop, untouched by the cancellation of
     the call that started it; stopping it cancels it."""
 
-    def __init__(self, limiter: "AsyncLimiter", work: Driven[None], name: str) -> None:
+    def __init__(self, limiter: "AsyncLimiter", work: driver.Driven[None], name: str) -> None:
         self._task = asyncio.get_running_loop().create_task(limiter._drive(work), name=name)
         limiter._background.add(self)
         self._task.add_done_callback(lambda _: limiter._background.discard(self))
@@ -159,7 +141,7 @@ class _Task:
         self._task.cancel()
 
 
-class AsyncLease(LeaseGuard):
+class AsyncLease(driver.LeaseGuard):
     """``Lease`` for asyncio: renewed by a task while the ``async with`` block runs. An
     acquire cancelled after its QAG.LEASE was sent, and a release cancelled on the way
     out, are released by a task of the limiter (bounded by the lease's TTL)."""
@@ -179,7 +161,7 @@ class AsyncLease(LeaseGuard):
         await self._limiter._drive(self._exit())
 
 
-class AsyncReservation(ReservationGuard):
+class AsyncReservation(driver.ReservationGuard):
     """Tokens held on a chain of scopes for one request, for an ``async with`` block.
 
     Entering sends QAG.ADMIT ... RESERVE tokens ID id [HOLD ms]: ``admission`` (and
@@ -216,16 +198,16 @@ class AsyncReservation(ReservationGuard):
 
 
 def _awaiting(
-    flow: "Callable[Concatenate[Any, P], Driven[T]]",
+    flow: "Callable[Concatenate[Any, P], driver.Driven[T]]",
 ) -> "Callable[Concatenate[AsyncLimiter, P], Coroutine[Any, Any, T]]":
     async def call(self: AsyncLimiter, /, *args: "P.args", **kwargs: "P.kwargs") -> T:
         return await self._drive(flow(self, *args, **kwargs))
 
-    named_after(call, flow)
+    driver.named_after(call, flow)
     return call
 
 
-class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
+class AsyncLimiter(driver.Driver["AsyncLease", "AsyncReservation"]):
     """``Limiter`` for asyncio: the same options and answers, every method a
     coroutine. ``aclose()`` closes the limiter's own connections."""
 
@@ -234,19 +216,19 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
     _lease_guard = AsyncLease
     _reservation_guard = AsyncReservation
 
-    take = _awaiting(Driver._take)
-    take_pair = _awaiting(Driver._take_pair)
-    take_with_quota = _awaiting(Driver._take_with_quota)
-    peek = _awaiting(Driver._peek)
-    refund = _awaiting(Driver._refund)
-    renew = _awaiting(Driver._renew)
-    release = _awaiting(Driver._release)
-    leases = _awaiting(Driver._leases)
-    quota_check = _awaiting(Driver._quota_check)
-    quota_add = _awaiting(Driver._quota_add)
-    quota_seed = _awaiting(Driver._quota_seed)
-    admit = _awaiting(Driver._admit)
-    record = _awaiting(Driver._record)
+    take = _awaiting(driver.Driver._take)
+    take_pair = _awaiting(driver.Driver._take_pair)
+    take_with_quota = _awaiting(driver.Driver._take_with_quota)
+    peek = _awaiting(driver.Driver._peek)
+    refund = _awaiting(driver.Driver._refund)
+    renew = _awaiting(driver.Driver._renew)
+    release = _awaiting(driver.Driver._release)
+    leases = _awaiting(driver.Driver._leases)
+    quota_check = _awaiting(driver.Driver._quota_check)
+    quota_add = _awaiting(driver.Driver._quota_add)
+    quota_seed = _awaiting(driver.Driver._quota_seed)
+    admit = _awaiting(driver.Driver._admit)
+    record = _awaiting(driver.Driver._record)
 
     async def aclose(self) -> None:
         """Closes the limiter's own connections and stops its background work."""
@@ -256,7 +238,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
             await node.client.connection_pool.disconnect()
             await node.wait_client.connection_pool.disconnect()
 
-    async def _drive(self, driven: Driven[T]) -> T:
+    async def _drive(self, driven: driver.Driven[T]) -> T:
         """Performs a driven call's effects until it answers; a cancellation is thrown
         in like any error, so the call gives back what it holds."""
         try:
@@ -272,20 +254,20 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
             answer: T = done.value
             return answer
 
-    async def _perform(self, effect: Effect) -> Any:
+    async def _perform(self, effect: driver.Effect) -> Any:
         loop = asyncio.get_running_loop()
-        if isinstance(effect, Send):
+        if isinstance(effect, driver.Send):
             return await _round_trip(effect, loop)
-        if isinstance(effect, Acquire):
+        if isinstance(effect, driver.Acquire):
             return await _acquire(effect, loop)
-        if isinstance(effect, Sleep):
+        if isinstance(effect, driver.Sleep):
             await asyncio.sleep(effect.seconds)
-        elif isinstance(effect, Dropped) and effect.demoted:
+        elif isinstance(effect, driver.Dropped) and effect.demoted:
             effect.node.epoch.count += 1
-        elif isinstance(effect, Dropped):
+        elif isinstance(effect, driver.Dropped):
             # redis-py 8's asyncio pool hands pooled connections out unchecked.
             await _close_idle(effect.node, effect.until - loop.time())
-        elif isinstance(effect, Disconnect):
+        elif isinstance(effect, driver.Disconnect):
             await effect.node.client.connection_pool.disconnect()
             await effect.node.wait_client.connection_pool.disconnect()
         return None
@@ -315,7 +297,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
         own_pool = redis.asyncio.BlockingConnectionPool(
             connection_class=_tracked(pool.connection_class),
             max_connections=max_connections,
-            **{"timeout": deadline, **pool_settings(pool, deadline, on_connect)},
+            **{"timeout": deadline, **driver.pool_settings(pool, deadline, on_connect)},
         )
         return redis.asyncio.Redis(connection_pool=own_pool), _Gate(max_connections)
 
@@ -342,7 +324,7 @@ class AsyncLimiter(Driver["AsyncLease", "AsyncReservation"]):
         return redis.asyncio.Redis(connection_pool=pool)
 
 
-async def _round_trip(effect: Send, loop: asyncio.AbstractEventLoop) -> Any:
+async def _round_trip(effect: driver.Send, loop: asyncio.AbstractEventLoop) -> Any:
     """The request on its call's trip: written by the queue time (NotSent if not), then
     answered by the deadline; at the deadline, a few more turns of the loop for an
     answer already on its way (a busy loop is late to read it) before DeadlinePassed."""
@@ -356,9 +338,9 @@ async def _round_trip(effect: Send, loop: asyncio.AbstractEventLoop) -> Any:
             if not trip_written.done():
                 trip_written.set_result(None)
 
-        round_trip = RoundTrip(trip, told)
+        round_trip = driver.RoundTrip(trip, told)
     else:
-        round_trip = RoundTrip(trip)
+        round_trip = driver.RoundTrip(trip)
     token = _ROUND_TRIP.set(round_trip)
     try:
         task = loop.create_task(_send(effect.node, effect.request, effect.asking))
@@ -385,15 +367,15 @@ async def _round_trip(effect: Send, loop: asyncio.AbstractEventLoop) -> Any:
     if not task.cancelled():
         return task.result()
     if not round_trip.written:
-        raise NotSent("the deadline passed before the request was written")
-    raise DeadlinePassed()
+        raise driver.NotSent("the deadline passed before the request was written")
+    raise driver.DeadlinePassed()
 
 
-async def _acquire(effect: Acquire, loop: asyncio.AbstractEventLoop) -> bool:
+async def _acquire(effect: driver.Acquire, loop: asyncio.AbstractEventLoop) -> bool:
     """A place in the node's pool by the call's deadline, or a little after it while a
     holder is overdue; False once the call is no longer wanted."""
     gate, deadline = effect.gate, effect.deadline
-    grace, gated = deadline + OVERDUE_GRACE, False
+    grace, gated = deadline + driver.OVERDUE_GRACE, False
     while not gated and effect.still_wanted():
         now = loop.time()
         if now < deadline:
@@ -405,7 +387,7 @@ async def _acquire(effect: Acquire, loop: asyncio.AbstractEventLoop) -> bool:
     return gated
 
 
-async def _close_idle(node: Node, left: float) -> None:
+async def _close_idle(node: driver.Node, left: float) -> None:
     """Closes the node's pooled connections no call holds, within ``left`` seconds."""
     pool = node.client.connection_pool
     try:
@@ -414,21 +396,9 @@ async def _close_idle(node: Node, left: float) -> None:
         pass  # those not closed yet fail once more
 
 
-async def _send(node: Node, request: Request, asking: bool) -> Any:
-    # A request the server may hold waits on a connection of its own.
-    client = node.wait_client if waiting_of(request) else node.client
-    if isinstance(request, Pipeline):  # its commands in one round trip
-        pipe = client.pipeline(transaction=False)
-        node.pipeline(request, asking, pipe)
-        return pipelined((await pipe.execute(raise_on_error=False)), asking)
-    if asking:  # ASK: ASKING, then the request, on one connection
-        pipe = client.pipeline(transaction=False)
-        pipe.execute_command("ASKING")
-        pipe.execute_command(*node.words(request))
-        return (await pipe.execute())[1]
-    if isinstance(request, RunScript):
-        return await node.scripts[request.script](keys=[request.key], args=list(request.arguments))
-    return await client.execute_command(*node.words(request))
+async def _send(node: driver.Node, request: Request, asking: bool) -> Any:
+    send, reply = node.sending(request, asking)
+    return reply(await send())
 
 
 __all__: List[str] = ["AsyncLease", "AsyncLimiter", "AsyncReservation"]

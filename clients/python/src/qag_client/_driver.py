@@ -21,6 +21,8 @@ import threading
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
+from operator import itemgetter
 from typing import (
     Any,
     Callable,
@@ -71,6 +73,7 @@ from ._engine import (
     release_delay,
     release_gives_up,
     sort_error,
+    waiting_of,
 )
 from ._script import TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA
 from .naming import Bucket
@@ -300,13 +303,30 @@ class Node:
             "refund": self.client.register_script(TOKEN_REFUND_LUA),
         }
 
-    def pipeline(self, request: Pipeline, asking: bool, pipe: Any) -> None:
-        """Queues a pipeline's commands on a client library's pipeline (after ASK, each
-        after ASKING: it holds for the next command only)."""
-        for command in request.commands:
-            if asking:
-                pipe.execute_command("ASKING")
-            pipe.execute_command(*self.words(command))
+    def sending(
+        self, request: Request, asking: bool
+    ) -> Tuple[Callable[[], Any], Callable[[Any], Any]]:
+        """How ``request`` is sent here: a call that sends it (its reply, or with an
+        asyncio client an awaitable of it; nothing is sent before it is called), and what
+        its reply is made into. A request the server may hold waits on a connection of
+        its own; after ASK, each command after ASKING (it holds for the next one only)."""
+        client = self.wait_client if waiting_of(request) else self.client
+        if isinstance(request, Pipeline):  # its commands in one round trip
+            pipe = client.pipeline(transaction=False)
+            for command in request.commands:
+                if asking:
+                    pipe.execute_command("ASKING")
+                pipe.execute_command(*self.words(command))
+            return partial(pipe.execute, raise_on_error=False), partial(pipelined, asking=asking)
+        if asking:  # ASK: ASKING, then the request, on one connection
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command("ASKING")
+            pipe.execute_command(*self.words(request))
+            return pipe.execute, itemgetter(1)
+        if isinstance(request, RunScript):
+            script = self.scripts[request.script]
+            return partial(script, keys=[request.key], args=list(request.arguments)), _itself
+        return partial(client.execute_command, *self.words(request)), _itself
 
     def words(self, request: Request) -> Tuple[Any, ...]:
         """The request as one command: a script as EVAL of its source, a probe's name
@@ -318,6 +338,10 @@ class Node:
         if request.probe:
             return (request.words[0].encode(), *request.words[1:])
         return request.words
+
+
+def _itself(reply: Any) -> Any:
+    return reply
 
 
 def pipelined(replies: List[Any], asking: bool) -> List[Any]:

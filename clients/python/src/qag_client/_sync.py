@@ -12,27 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import redis
 from redis.cluster import RedisCluster
 
-from ._driver import (
-    Acquire,
-    RoundTrip,
-    Disconnect,
-    Driven,
-    Driver,
-    Dropped,
-    Effect,
-    LeaseGuard,
-    Node,
-    OVERDUE_GRACE,
-    ReservationGuard,
-    Send,
-    Sleep,
-    Stopped,
-    named_after,
-    pipelined,
-    pool_settings,
-    stale,
-)
-from ._engine import Pipeline, Request, RunScript, T, waiting_of
+from . import _driver as driver
+from ._engine import Request, T
 
 if TYPE_CHECKING:
     from typing import Concatenate, ParamSpec
@@ -40,7 +21,7 @@ if TYPE_CHECKING:
     P = ParamSpec("P")
 
 # The running round trip (per thread): its call's times, whether it was written.
-_ROUND_TRIP: ContextVar[Optional[RoundTrip]] = ContextVar("qag_round_trip", default=None)
+_ROUND_TRIP: ContextVar[Optional[driver.RoundTrip]] = ContextVar("qag_round_trip", default=None)
 _BOUNDED: Dict[type, type] = {}
 
 
@@ -76,7 +57,7 @@ def _bounded(connection_class: type) -> type:
             round_trip = _ROUND_TRIP.get()
             if round_trip is not None:
                 round_trip.write(time.monotonic())
-            if stale(self):  # made before its node was found demoted: made again
+            if driver.stale(self):  # made before its node was found demoted: made again
                 self.qag_epoch = None  # (the handshake's own commands send through here)
                 self.disconnect()
                 self.connect()
@@ -120,7 +101,7 @@ class _Gate:
 
     def acquire(self, until: float, still_wanted: Callable[[], bool]) -> bool:
         with self._changed:
-            grace = until + OVERDUE_GRACE
+            grace = until + driver.OVERDUE_GRACE
             while self._free == 0:
                 now = time.monotonic()
                 if not still_wanted():
@@ -147,7 +128,7 @@ class _Thread:
     """Background work on a daemon thread of its own; stopping it throws Stopped in at
     its next pause."""
 
-    def __init__(self, limiter: "Limiter", work: Driven[None], name: str) -> None:
+    def __init__(self, limiter: "Limiter", work: driver.Driven[None], name: str) -> None:
         self._limiter = limiter
         self._work = work
         self._stop = threading.Event()
@@ -158,7 +139,7 @@ class _Thread:
     def _main(self) -> None:
         try:
             self._limiter._drive(self._work, self._stop)
-        except Stopped:
+        except driver.Stopped:
             pass
         finally:
             self._limiter._background.discard(self)
@@ -169,7 +150,7 @@ class _Thread:
             self._thread.join()
 
 
-class Lease(LeaseGuard):
+class Lease(driver.LeaseGuard):
     """A slot of a key, held for a ``with`` block.
 
     Entering takes the slot (QAG.LEASE) or raises QagRefused. A lease held in Redis is
@@ -197,7 +178,7 @@ class Lease(LeaseGuard):
         self._limiter._drive(self._exit())
 
 
-class Reservation(ReservationGuard):
+class Reservation(driver.ReservationGuard):
     """Tokens held on a chain of scopes for one request, for a ``with`` block.
 
     Entering sends QAG.ADMIT ... RESERVE tokens ID id [HOLD ms]: ``admission`` (and
@@ -234,16 +215,16 @@ class Reservation(ReservationGuard):
 
 
 def _blocking(
-    flow: "Callable[Concatenate[Any, P], Driven[T]]",
+    flow: "Callable[Concatenate[Any, P], driver.Driven[T]]",
 ) -> "Callable[Concatenate[Limiter, P], T]":
     def call(self: Limiter, /, *args: "P.args", **kwargs: "P.kwargs") -> T:
         return self._drive(flow(self, *args, **kwargs))
 
-    named_after(call, flow)
+    driver.named_after(call, flow)
     return call
 
 
-class Limiter(Driver["Lease", "Reservation"]):
+class Limiter(driver.Driver["Lease", "Reservation"]):
     """Rate limiting over a ``redis.Redis`` or ``redis.cluster.RedisCluster`` client.
 
     ``backend``: "auto" (the module where the server has it, else the script),
@@ -271,19 +252,19 @@ class Limiter(Driver["Lease", "Reservation"]):
     _lease_guard = Lease
     _reservation_guard = Reservation
 
-    take = _blocking(Driver._take)
-    take_pair = _blocking(Driver._take_pair)
-    take_with_quota = _blocking(Driver._take_with_quota)
-    peek = _blocking(Driver._peek)
-    refund = _blocking(Driver._refund)
-    renew = _blocking(Driver._renew)
-    release = _blocking(Driver._release)
-    leases = _blocking(Driver._leases)
-    quota_check = _blocking(Driver._quota_check)
-    quota_add = _blocking(Driver._quota_add)
-    quota_seed = _blocking(Driver._quota_seed)
-    admit = _blocking(Driver._admit)
-    record = _blocking(Driver._record)
+    take = _blocking(driver.Driver._take)
+    take_pair = _blocking(driver.Driver._take_pair)
+    take_with_quota = _blocking(driver.Driver._take_with_quota)
+    peek = _blocking(driver.Driver._peek)
+    refund = _blocking(driver.Driver._refund)
+    renew = _blocking(driver.Driver._renew)
+    release = _blocking(driver.Driver._release)
+    leases = _blocking(driver.Driver._leases)
+    quota_check = _blocking(driver.Driver._quota_check)
+    quota_add = _blocking(driver.Driver._quota_add)
+    quota_seed = _blocking(driver.Driver._quota_seed)
+    admit = _blocking(driver.Driver._admit)
+    record = _blocking(driver.Driver._record)
 
     def close(self) -> None:
         """Closes the limiter's own connections and stops its background work
@@ -294,7 +275,7 @@ class Limiter(Driver["Lease", "Reservation"]):
             node.client.connection_pool.disconnect()
             node.wait_client.connection_pool.disconnect()
 
-    def _drive(self, driven: Driven[T], stop: Optional[threading.Event] = None) -> T:
+    def _drive(self, driven: driver.Driven[T], stop: Optional[threading.Event] = None) -> T:
         """Performs a driven call's effects until it answers (``stop``: background work,
         stopped at its next pause once set)."""
         try:
@@ -310,24 +291,24 @@ class Limiter(Driver["Lease", "Reservation"]):
             answer: T = done.value
             return answer
 
-    def _perform(self, effect: Effect, stop: Optional[threading.Event]) -> Any:
-        if isinstance(effect, Send):
-            token = _ROUND_TRIP.set(RoundTrip(effect.trip))
+    def _perform(self, effect: driver.Effect, stop: Optional[threading.Event]) -> Any:
+        if isinstance(effect, driver.Send):
+            token = _ROUND_TRIP.set(driver.RoundTrip(effect.trip))
             try:
                 return _send(effect.node, effect.request, effect.asking)
             finally:
                 _ROUND_TRIP.reset(token)
-        if isinstance(effect, Acquire):
+        if isinstance(effect, driver.Acquire):
             return effect.gate.acquire(effect.deadline, effect.still_wanted)
-        if isinstance(effect, Sleep):
+        if isinstance(effect, driver.Sleep):
             if stop is None:
                 time.sleep(effect.seconds)
             elif stop.wait(effect.seconds):
-                raise Stopped()
-        elif isinstance(effect, Disconnect):
+                raise driver.Stopped()
+        elif isinstance(effect, driver.Disconnect):
             effect.node.client.connection_pool.disconnect()
             effect.node.wait_client.connection_pool.disconnect()
-        elif isinstance(effect, Dropped) and effect.demoted:
+        elif isinstance(effect, driver.Dropped) and effect.demoted:
             effect.node.epoch.count += 1
         # Dropped otherwise: the blocking pool checks a connection before it hands it out.
         return None
@@ -357,7 +338,7 @@ class Limiter(Driver["Lease", "Reservation"]):
             connection_class=_bounded(pool.connection_class),
             max_connections=max_connections,
             timeout=deadline,
-            **pool_settings(pool, deadline, on_connect),
+            **driver.pool_settings(pool, deadline, on_connect),
         )
         return redis.Redis(connection_pool=own_pool), _Gate(max_connections)
 
@@ -366,21 +347,9 @@ class Limiter(Driver["Lease", "Reservation"]):
         return redis.Redis(host=host, port=int(port), **cluster.nodes_manager.connection_kwargs)
 
 
-def _send(node: Node, request: Request, asking: bool) -> Any:
-    # A request the server may hold waits on a connection of its own.
-    client = node.wait_client if waiting_of(request) else node.client
-    if isinstance(request, Pipeline):  # its commands in one round trip
-        pipe = client.pipeline(transaction=False)
-        node.pipeline(request, asking, pipe)
-        return pipelined(pipe.execute(raise_on_error=False), asking)
-    if asking:  # ASK: ASKING, then the request, on one connection
-        pipe = client.pipeline(transaction=False)
-        pipe.execute_command("ASKING")
-        pipe.execute_command(*node.words(request))
-        return pipe.execute()[1]
-    if isinstance(request, RunScript):
-        return node.scripts[request.script](keys=[request.key], args=list(request.arguments))
-    return client.execute_command(*node.words(request))
+def _send(node: driver.Node, request: Request, asking: bool) -> Any:
+    send, reply = node.sending(request, asking)
+    return reply(send())
 
 
 __all__: List[str] = ["Lease", "Limiter", "Reservation"]
