@@ -1,10 +1,12 @@
 //! Calendar quotas: QAG.QUOTA before a call, QAG.QUOTA.ADD after it, QAG.QUOTA.SEED from
-//! the gateway's durable store (module only), and the answers of the outage policy.
-//! Every count Redis answers is remembered, so that local decisions during an outage
-//! start from it.
+//! the gateway's durable store (or `lua/quota.lua` where the module is not: given the
+//! calendar period computed here with the module's own code), and the answers of the
+//! outage policy. Every count Redis answers is remembered, so that local decisions
+//! during an outage start from it.
 
 use qag_core::quota::{self, QuotaArgs, Usage};
 use redis::aio::ConnectionLike;
+use redis::{FromRedisValue, Value};
 
 use crate::decision::{AnsweredBy, Quota, QuotaDecision, QuotaUsage};
 use crate::error::Error;
@@ -43,11 +45,83 @@ fn as_count(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
 }
 
+/// What lua/quota.lua is given of the calendar for the clock `now_micros`: the period's
+/// label, start and end, and the next period's label and end (counted into when the key
+/// holds it), as the module computes them.
+fn period_words(args: &QuotaArgs, now_micros: i64) -> Result<[String; 5], Error> {
+    let outside = || Error::Server("ERR the server clock is outside the calendar's range".into());
+    let current = quota::period(args.per, &args.zone, now_micros).ok_or_else(outside)?;
+    let next_start = current.end.saturating_mul(1_000_000);
+    let next = quota::period(args.per, &args.zone, next_start).ok_or_else(outside)?;
+    Ok([
+        current.label.as_str().to_owned(),
+        current.start.to_string(),
+        current.end.to_string(),
+        next.label.as_str().to_owned(),
+        next.end.to_string(),
+    ])
+}
+
+/// The server's clock (Unix microseconds) in the script's answer to a period that is not
+/// the server's: `["period", seconds, microseconds]`.
+fn server_clock(reply: &Value) -> Option<i64> {
+    let Value::Array(parts) = reply else {
+        return None;
+    };
+    let text = |value: &Value| match value {
+        Value::BulkString(bytes) => std::str::from_utf8(bytes).ok()?.parse::<i64>().ok(),
+        _ => None,
+    };
+    match &parts[..] {
+        [Value::BulkString(word), seconds, micros] if word == b"period" => {
+            Some(text(seconds)?.checked_mul(1_000_000)? + text(micros)?)
+        }
+        _ => None,
+    }
+}
+
+/// How often a quota call is sent to the script with the period of the server's clock
+/// it answered: once is the rule; a period that ended meanwhile takes one more.
+const PERIOD_TRIES: usize = 3;
+
 impl<C> Limiter<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// The check before a call: whether `quota` allows one more. Module only.
+    /// lua/quota.lua's `op` on `key`, given the calendar period of this process's clock
+    /// and then `tail`; where that period is not the server's (a period ended between
+    /// the two clocks), the script answers the server's clock, and is sent again with
+    /// that clock's period: the server's, as the module's.
+    async fn quota_by_script<T: FromRedisValue>(
+        &self,
+        key: &str,
+        args: &QuotaArgs,
+        op: &str,
+        tail: &[String],
+        replayable: bool,
+    ) -> Result<T, Error> {
+        let mut clock = unix_micros();
+        for _ in 0..PERIOD_TRIES {
+            let mut script = self.shared.quota_script.key(key);
+            script
+                .arg(op)
+                .arg(&period_words(args, clock)?[..])
+                .arg(tail);
+            let reply: Value = self.script_reply(&script, replayable).await?;
+            match server_clock(&reply) {
+                Some(server) => clock = server,
+                None => {
+                    return T::from_redis_value(reply)
+                        .map_err(|error| Error::Server(format!("a quota reply: {error}").into()))
+                }
+            }
+        }
+        Err(Error::Server(
+            "the server's clock left every calendar period it was given".into(),
+        ))
+    }
+
+    /// The check before a call: whether `quota` allows one more.
     pub async fn quota_check(&self, key: &str, quota: &Quota) -> Result<QuotaDecision, Error> {
         let this = &self.for_keys(&[key]).await?;
         let mut words = quota_words("QAG.QUOTA", key, quota);
@@ -57,10 +131,23 @@ where
             }
         }
         let args = check(|words| quota::parse_quota(words, true), &words)?;
+        let limits =
+            [quota.calls, quota.rows].map(|limit| limit.map_or(String::new(), |l| l.to_string()));
         let remote = async {
-            let reply: Vec<Option<i64>> = this.module_call_replayable(&command(&words)).await?;
-            let decision = QuotaDecision::from_reply(&reply, quota)
-                .map_err(|why| Error::Server(why.into()))?;
+            let (reply, answered_by) = match this.module_reply(&command(&words), true).await? {
+                Some(reply) => (reply, AnsweredBy::Module),
+                None => {
+                    let reply: Vec<Option<i64>> = this
+                        .quota_by_script(key, &args, "check", &limits, true)
+                        .await?;
+                    (reply, AnsweredBy::Script)
+                }
+            };
+            let decision = QuotaDecision {
+                answered_by,
+                ..QuotaDecision::from_reply(&reply, quota)
+                    .map_err(|why| Error::Server(why.into()))?
+            };
             let used = |limit: Option<u64>, left: Option<u64>| {
                 Some(as_count(limit?.saturating_sub(left?)))
             };
@@ -151,17 +238,38 @@ where
         // An add counts, so it carries an id and is replayed; a seed counts the same
         // however often it runs.
         let seed = command_name == "QAG.QUOTA.SEED";
-        if !seed {
-            words.extend(["ID".into(), this.call_id()]);
+        let id = (!seed).then(|| this.call_id());
+        if let Some(id) = &id {
+            words.extend(["ID".into(), id.clone()]);
         }
         let args = check(|words| quota::parse_quota(words, true), &words)?;
+        let own_id = this.request_id().is_none();
         let remote = async {
-            let reply: Vec<i64> = if seed {
-                this.module_call(&command(&words)).await?
-            } else {
-                this.spend_call(&words, this.request_id().is_none()).await?
+            let module = match seed {
+                true => this.module_reply(&command(&words), false).await?,
+                false => this.spend_call(&words, own_id).await?,
             };
-            let usage = QuotaUsage::from_reply(&reply).map_err(|why| Error::Server(why.into()))?;
+            let (reply, answered_by) = match module {
+                Some(reply) => (reply, AnsweredBy::Module),
+                None => {
+                    let mut tail = vec![calls.to_string(), rows.to_string()];
+                    let op = match &id {
+                        Some(id) => {
+                            let keep = own_id.then(|| this.own_keep().to_string());
+                            tail.extend([id.clone(), keep.unwrap_or_default()]);
+                            "add"
+                        }
+                        None => "seed",
+                    };
+                    let reply: Vec<i64> =
+                        this.quota_by_script(key, &args, op, &tail, !seed).await?;
+                    (reply, AnsweredBy::Script)
+                }
+            };
+            let usage = QuotaUsage {
+                answered_by,
+                ..QuotaUsage::from_reply(&reply).map_err(|why| Error::Server(why.into()))?
+            };
             lock(&this.node.local).quotas.saw(
                 key,
                 Some(as_count(usage.calls)),
