@@ -1155,3 +1155,56 @@ fn window_ids_are_forgotten_alike() {
         })
     });
 }
+
+/// Given a period that is not the server's clock's, the quota script answers with that
+/// clock and touches nothing; given the clock's period, it counts as the module does.
+#[test]
+fn the_quota_script_answers_another_period_with_the_server_clock() {
+    if external("the_quota_script_answers_another_period_with_the_server_clock") {
+        return;
+    }
+    let server = Server::start(&ServerOptions {
+        without_module: true,
+        ..Default::default()
+    });
+    let mut con = server.client().get_connection().unwrap();
+    let add = |con: &mut Connection, period: &[String]| -> Value {
+        cmd("EVAL")
+            .arg(QUOTA_LUA)
+            .arg(1)
+            .arg("q")
+            .arg("add")
+            .arg(period)
+            .arg(&["1", "", "r1", ""])
+            .query(con)
+            .unwrap()
+    };
+    let stale: Vec<String> = args(&[
+        "2020-01",
+        "1577836800",
+        "1580515200",
+        "2020-02",
+        "1583020800",
+    ]);
+    let Value::Array(reply) = add(&mut con, &stale) else {
+        panic!("not an array")
+    };
+    assert_eq!(reply[0], Value::BulkString(b"period".to_vec()));
+    let clock = micros_of(&Value::Array(reply[1..].to_vec()));
+    let time: Value = cmd("TIME").query(&mut con).unwrap();
+    assert!(
+        (0..5_000_000).contains(&(micros_of(&time) - clock)),
+        "the server's clock"
+    );
+    let exists: i64 = cmd("EXISTS").arg("q").query(&mut con).unwrap();
+    assert_eq!(exists, 0, "nothing written");
+    let calendar = Calendar {
+        per: Per::Month,
+        zone: "UTC",
+    };
+    let current = calendar.period_words(clock);
+    let Value::Array(reply) = add(&mut con, &current) else {
+        panic!("not an array")
+    };
+    assert_eq!(reply[..2], [Value::Int(1), Value::Int(0)]);
+}

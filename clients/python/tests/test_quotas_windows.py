@@ -1,5 +1,5 @@
-"""Quotas and sliding windows, typed, on both limiters; module only. Quota and lease
-headers from real replies."""
+"""Quotas and sliding windows, typed, on both limiters, by the module and by the scripts
+on the same keys. Quota and lease headers from real replies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import Server
-from qag_client import Bucket, QagModuleRequired, QagRefused, QagServerError, Quota, Scope, headers
+from qag_client import Bucket, QagRefused, QagServerError, Quota, Scope, headers
 
 
 def test_quota_check_add_seed(
@@ -40,9 +40,19 @@ def test_admit_and_record(
     second = limiter.admit(scopes, window=60)
     assert not second.admitted and second.refused_by == 1 and second.retry_after >= 1
     assert limiter.record(["qag:win:{a}:org", "qag:win:{a}:key"], 700) == 2
+    # The scripts count on the same keys: the module's request refuses the script's.
     script_only = make_limiter(server, backend="script")
-    with pytest.raises(QagModuleRequired):
-        script_only.record(["qag:win:{a}:org"], 1)
+    assert script_only.record(["qag:win:{a}:org", "qag:win:{a}:key"], 1) == 2
+    third = script_only.admit(scopes)
+    assert (third.admitted, third.refused_by, third.answered_by) == (False, 1, "script")
+    fields = server.client().hgetall("qag:win:{a}:key")
+    assert sum(int(v) for k, v in fields.items() if k.startswith(b"tok:")) == 701
+    check = script_only.quota_check("qag:q", Quota("day", "UTC", calls=1))
+    assert (check.allowed, check.calls_remaining, check.answered_by) == (True, 1, "script")
+    with script_only.lease("qag:run", 1, 5000, "s1") as lease:
+        assert lease.answered_by == "script"
+        assert limiter.leases("qag:run") == 1
+    assert script_only.leases("qag:run") == 0
 
 
 def test_quota_headers_count_the_call_itself(

@@ -308,3 +308,50 @@ where
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_script_is_given_the_period_and_the_next() {
+        let words = [
+            "QAG.QUOTA",
+            "k",
+            "PER",
+            "day",
+            "TZ",
+            "Europe/Berlin",
+            "CALLS",
+            "1",
+        ];
+        let args = check(|words| quota::parse_quota(words, true), &words).unwrap();
+        // 2026-03-28 12:00 in Berlin: the next day is 23 hours long (the clocks go forward).
+        let now = 1_774_695_600 * 1_000_000;
+        assert_eq!(
+            period_words(&args, now).unwrap(),
+            [
+                "2026-03-28",
+                "1774652400",
+                "1774738800",
+                "2026-03-29",
+                "1774821600"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_period_refused_names_the_server_clock() {
+        let bulk = |text: &str| Value::BulkString(text.as_bytes().to_vec());
+        let refused = Value::Array(vec![bulk("period"), bulk("1796320454"), bulk("78")]);
+        assert_eq!(server_clock(&refused), Some(1_796_320_454_000_078));
+        for other in [
+            Value::Array(vec![Value::Int(1), Value::Int(2), Value::Int(3)]),
+            Value::Array(vec![bulk("period"), bulk("x"), bulk("1")]),
+            Value::Array(vec![bulk("other"), bulk("1"), bulk("1")]),
+            Value::Int(1),
+        ] {
+            assert_eq!(server_clock(&other), None, "{other:?}");
+        }
+    }
+}

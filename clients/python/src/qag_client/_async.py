@@ -406,7 +406,9 @@ async def _send(node: Node, request: Request, asking: bool) -> Any:
         pipe.execute_command(*node.words(request))
         return (await pipe.execute())[1]
     if isinstance(request, RunScript):
-        return await node.scripts[request.script](keys=[request.key], args=list(request.arguments))
+        return await node.scripts[request.script](
+            keys=list(request.keys), args=list(request.arguments)
+        )
     return await node.client.execute_command(*node.words(request))
 
 

@@ -240,8 +240,8 @@ def _blocking(
 class Limiter(Driver["Lease", "Reservation"]):
     """Rate limiting over a ``redis.Redis`` or ``redis.cluster.RedisCluster`` client.
 
-    ``backend``: "auto" (the module where the server has it, else the script),
-    "module" or "script". ``deadline``: seconds a call may take, connecting and
+    ``backend``: "auto" (the module where the server has it, else every family's
+    script on the same keys), "module" or "script". ``deadline``: seconds a call may take, connecting and
     waiting for a free connection included. ``on_unavailable``: what a call answers
     when Redis fails, and for ``back_off`` seconds after without touching Redis:
     "raise" (QagUnavailable), "forward" (answers "not counted, forwarded") or "local"
@@ -367,7 +367,7 @@ def _send(node: Node, request: Request, asking: bool) -> Any:
         pipe.execute_command(*node.words(request))
         return pipe.execute()[1]
     if isinstance(request, RunScript):
-        return node.scripts[request.script](keys=[request.key], args=list(request.arguments))
+        return node.scripts[request.script](keys=list(request.keys), args=list(request.arguments))
     return node.client.execute_command(*node.words(request))
 
 
