@@ -38,8 +38,7 @@ pub(crate) fn as_tokens(tokens: u64) -> i64 {
 }
 
 pub(crate) fn clock(window: Option<u32>, now_micros: i64) -> Clock {
-    let seconds = window.map_or(window::DEFAULT_WINDOW_SECONDS, i64::from);
-    Clock::new(seconds, now_micros)
+    Clock::new(window_seconds(window), now_micros)
 }
 
 /// A limit scaled to this process's share; 0 (no limit) stays 0.
@@ -99,7 +98,8 @@ where
             if let Some(sent) = sent {
                 sent.store(true, Ordering::Release);
             }
-            let admission = this.admit_remote(scopes, window, reserve, id).await?; // Redis's last word on the chain, where local counting would begin.
+            let admission = this.admit_remote(scopes, window, reserve, id).await?;
+            // Redis's last word on the chain, where local counting would begin.
             let chain: Vec<(&str, u64, u64)> = scopes
                 .iter()
                 .map(|scope| (scope.key.as_str(), scope.rpm, scope.tpm))
