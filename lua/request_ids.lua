@@ -74,101 +74,87 @@ local function split(text, separator)
   end
 end
 
--- Unsigned 64-bit numbers as four 16-bit limbs, lowest first.
+-- Unsigned 64-bit numbers as four 16-bit limbs, lowest first, passed as four values (no
+-- table: these run on every call with an id). Shifts, rotations and products are plain
+-- arithmetic on doubles, exact below 2^53; only XOR needs the bit library.
 
-local function u64(n)
-  local limbs = {}
-  for i = 1, 4 do
-    local low = n % 65536
-    limbs[i] = low
-    n = (n - low) / 65536
+local function xor(a0, a1, a2, a3, b0, b1, b2, b3)
+  return bit.bxor(a0, b0), bit.bxor(a1, b1), bit.bxor(a2, b2), bit.bxor(a3, b3)
+end
+
+-- The number `n` (0 to 2^53) as limbs.
+local function limbs_of(n)
+  local a0 = n % 65536
+  n = (n - a0) / 65536
+  local a1 = n % 65536
+  n = (n - a1) / 65536
+  local a2 = n % 65536
+  return a0, a1, a2, (n - a2) / 65536
+end
+
+-- The number rotated left by `k` bits (1 to 63): limbs 4 to 7 of the number written twice
+-- over eight limbs and shifted left by k, each the sum of two disjoint parts.
+local function rotate_left(a0, a1, a2, a3, k)
+  local l = {[0] = a0, a1, a2, a3, a0, a1, a2, a3}
+  local q, r = math.floor(k / 16), k % 16
+  local function limb(i)
+    local high, low = l[i - q], l[i - q - 1] or 0
+    return (high * 2 ^ r) % 65536 + math.floor(low / 2 ^ (16 - r))
   end
-  return limbs
+  return limb(4), limb(5), limb(6), limb(7)
 end
 
-local function xor(a, b)
-  return {bit.bxor(a[1], b[1]), bit.bxor(a[2], b[2]), bit.bxor(a[3], b[3]), bit.bxor(a[4], b[4])}
+-- x XOR (x >> 33), the mixing step of `replay::pick` (x >> 33 fits limbs 0 and 1).
+local function fold33(a0, a1, a2, a3)
+  return bit.bxor(a0, math.floor(a2 / 2) + (a3 % 2) * 32768), bit.bxor(a1, math.floor(a3 / 2)),
+    a2, a3
 end
 
-local function shift_right(a, k)
-  local limbs, skip, bits = {}, math.floor(k / 16), k % 16
-  for i = 1, 4 do
-    local low, high = a[i + skip] or 0, a[i + skip + 1] or 0
-    limbs[i] = bit.band(bit.bor(bit.rshift(low, bits), bit.lshift(high, 16 - bits)), 0xffff)
-  end
-  return limbs
+-- a × b modulo 2^64.
+local function multiply(a0, a1, a2, a3, b0, b1, b2, b3)
+  local t = a0 * b0
+  local r0 = t % 65536
+  t = (t - r0) / 65536 + a0 * b1 + a1 * b0
+  local r1 = t % 65536
+  t = (t - r1) / 65536 + a0 * b2 + a1 * b1 + a2 * b0
+  local r2 = t % 65536
+  t = (t - r2) / 65536 + a0 * b3 + a1 * b2 + a2 * b1 + a3 * b0
+  return r0, r1, r2, t % 65536
 end
 
-local function shift_left(a, k)
-  local limbs, skip, bits = {}, math.floor(k / 16), k % 16
-  for i = 1, 4 do
-    local high, low = a[i - skip] or 0, a[i - skip - 1] or 0
-    limbs[i] = bit.band(bit.bor(bit.lshift(high, bits), bit.rshift(low, 16 - bits)), 0xffff)
-  end
-  return limbs
-end
-
-local function rotate_left(a, k)
-  local left, right = shift_left(a, k), shift_right(a, 64 - k)
-  return {bit.bor(left[1], right[1]), bit.bor(left[2], right[2]),
-          bit.bor(left[3], right[3]), bit.bor(left[4], right[4])}
-end
-
--- a × b, modulo 2^64.
-local function multiply(a, b)
-  local limbs, carry = {}, 0
-  for i = 1, 4 do
-    local sum = carry
-    for j = 1, i do
-      sum = sum + a[j] * b[i - j + 1]
-    end
-    limbs[i] = sum % 65536
-    carry = (sum - limbs[i]) / 65536
-  end
-  return limbs
-end
-
--- a modulo m (m below 2^36).
-local function modulo(a, m)
-  local r = 0
-  for i = 4, 1, -1 do
-    r = (r * 65536 + a[i]) % m
-  end
-  return r
-end
-
--- The bytes of `text` as one big-endian number (at most 8 bytes).
+-- The bytes of `text` (at most 8) as one big-endian number.
 local function word(text)
-  local w = {0, 0, 0, 0}
-  for i = 1, #text do
-    w = shift_left(w, 8)
-    w[1] = w[1] + string.byte(text, i)
+  local l, n = {[0] = 0, 0, 0, 0}, #text
+  for i = 1, n do
+    local at = (n - i) * 8
+    local limb = math.floor(at / 16)
+    l[limb] = l[limb] + string.byte(text, i) * 2 ^ (at % 16)
   end
-  return w
+  return l[0], l[1], l[2], l[3]
 end
 
 -- The limbs read as a signed 64-bit number, in decimal.
-local function signed_decimal(a)
-  local limbs, sign = {a[1], a[2], a[3], a[4]}, ''
-  if a[4] >= 0x8000 then
+local function signed_decimal(a0, a1, a2, a3)
+  local l, sign = {a0, a1, a2, a3}, ''
+  if a3 >= 0x8000 then
     sign = '-'
     local carry = 1
     for i = 1, 4 do
-      local v = 0xffff - limbs[i] + carry
-      limbs[i] = v % 65536
-      carry = (v - limbs[i]) / 65536
+      local v = 0xffff - l[i] + carry
+      l[i] = v % 65536
+      carry = (v - l[i]) / 65536
     end
   end
   local groups = {}
   repeat
     local rest = 0
     for i = 4, 1, -1 do
-      local v = rest * 65536 + limbs[i]
-      limbs[i] = math.floor(v / 10000)
+      local v = rest * 65536 + l[i]
+      l[i] = math.floor(v / 10000)
       rest = v % 10000
     end
     table.insert(groups, 1, rest)
-  until limbs[1] == 0 and limbs[2] == 0 and limbs[3] == 0 and limbs[4] == 0
+  until l[1] == 0 and l[2] == 0 and l[3] == 0 and l[4] == 0
   local text = tostring(groups[1])
   for i = 2, #groups do
     text = text .. string.format('%04d', groups[i])
@@ -176,32 +162,35 @@ local function signed_decimal(a)
   return sign .. text
 end
 
-local MIX_1 = {0x8ccd, 0xed55, 0xafd7, 0xff51}
-local MIX_2 = {0xec53, 0x1a85, 0xb9fe, 0xc4ce}
-
--- `replay::pick`: which calls look through their key's ids, from the id's field name and
--- the call's time.
-local function pick(field, now_millis)
+-- Whether `replay::pick` picks this call to look through its key's ids (a hash of the
+-- id's field name and the call's time, a multiple of `every`).
+local function picked(field, now_millis, every)
   local len = #field
-  local head = word(string.sub(field, 1, math.min(8, len)))
-  local tail = word(string.sub(field, math.max(len - 8, 0) + 1))
-  local x = xor(xor(head, rotate_left(tail, 29)), rotate_left(u64(len), 56))
-  x = xor(x, u64(now_millis))
-  x = multiply(xor(x, shift_right(x, 33)), MIX_1)
-  x = multiply(xor(x, shift_right(x, 33)), MIX_2)
-  return xor(x, shift_right(x, 33))
+  local t0, t1, t2, t3 = word(string.sub(field, math.max(len - 8, 0) + 1))
+  t0, t1, t2, t3 = rotate_left(t0, t1, t2, t3, 29)
+  local n0, n1, n2, n3 = limbs_of(len)
+  n0, n1, n2, n3 = rotate_left(n0, n1, n2, n3, 56)
+  local h0, h1, h2, h3 = word(string.sub(field, 1, math.min(8, len)))
+  local x0, x1, x2, x3 = xor(h0, h1, h2, h3, t0, t1, t2, t3)
+  x0, x1, x2, x3 = xor(x0, x1, x2, x3, n0, n1, n2, n3)
+  local w0, w1, w2, w3 = limbs_of(now_millis)
+  x0, x1, x2, x3 = xor(x0, x1, x2, x3, w0, w1, w2, w3)
+  x0, x1, x2, x3 = fold33(x0, x1, x2, x3)
+  x0, x1, x2, x3 = multiply(x0, x1, x2, x3, 0x8ccd, 0xed55, 0xafd7, 0xff51)
+  x0, x1, x2, x3 = fold33(x0, x1, x2, x3)
+  x0, x1, x2, x3 = multiply(x0, x1, x2, x3, 0xec53, 0x1a85, 0xb9fe, 0xc4ce)
+  x0, x1, x2, x3 = fold33(x0, x1, x2, x3)
+  local r = ((x3 % every) * 65536 + x2) % every
+  r = (r * 65536 + x1) % every
+  return (r * 65536 + x0) % every == 0
 end
-
-local FNV_BASIS = {0x2325, 0x8422, 0x9ce4, 0xcbf2}
-local FNV_PRIME = {0x01b3, 0x0000, 0x0100, 0x0000}
 
 -- `replay::chain_of`: the fingerprint of a chain of keys (64-bit FNV-1a over each key and
 -- its length), as the signed decimal a record keeps.
 local function chain_of(keys)
-  local hash = {FNV_BASIS[1], FNV_BASIS[2], FNV_BASIS[3], FNV_BASIS[4]}
+  local h0, h1, h2, h3 = 0x2325, 0x8422, 0x9ce4, 0xcbf2
   local function eat(byte)
-    hash[1] = bit.bxor(hash[1], byte)
-    hash = multiply(hash, FNV_PRIME)
+    h0, h1, h2, h3 = multiply(bit.bxor(h0, byte), h1, h2, h3, 0x01b3, 0x0000, 0x0100, 0x0000)
   end
   for _, key in ipairs(keys) do
     for i = 1, #key do
@@ -214,7 +203,7 @@ local function chain_of(keys)
       len = (len - byte) / 256
     end
   end
-  return signed_decimal(hash)
+  return signed_decimal(h0, h1, h2, h3)
 end
 
 -- Records: `{forget_at, answer, hold}`; an answer is `{shape, values}`, a value the
@@ -453,7 +442,7 @@ end
 local function remember(key, field, answer, hold, now_millis, trusted_until, keep)
   local fields = redis.call('HLEN', key)
   local every = math.max(LOOK_EVERY_MIN, fields)
-  if fields > ID_MAX + OWN_FIELDS_MOST or modulo(pick(field, now_millis), every) == 0 then
+  if fields > ID_MAX + OWN_FIELDS_MOST or picked(field, now_millis, every) then
     forget_ids(key, now_millis, trusted_until)
   end
   local forget_at = math.max(now_millis + keep, hold and hold.ends or 0)
