@@ -76,7 +76,9 @@ if op == 'seed' then
   return count(math.max(used_calls, add_calls), math.max(used_rows, add_rows))
 end
 
--- add
+if op ~= 'add' then
+  return redis.error_reply('ERR unknown quota operation')
+end
 local id_field
 if ARGV[9] ~= '' then
   id_field = 'id:quota.add:' .. ARGV[9]

@@ -329,7 +329,9 @@ if op == 'admit' then
   return reply
 end
 
--- record
+if op ~= 'record' then
+  return redis.error_reply('ERR unknown window operation')
+end
 local tokens, id, keep, partial = tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6] == '1'
 -- A partial charge is one of many under the reservation's id: never a replay.
 local record_field = (id ~= '' and not partial) and 'id:record:' .. id or nil
