@@ -64,8 +64,17 @@ def main():
             targets.append(("%s / %s, %s keys" % (qag, cell, keys), (qag, keys), (cell, keys), goal))
     targets.append(("QAG.TAKE / HSET of two fields, existing keys", ("QAG.TAKE", "existing"),
                     ("HSET (2 fields)", "existing"), 2.2))
-    targets.append(("EVALSHA token_bucket.lua / QAG.TAKE, existing keys",
-                    ("EVALSHA token_bucket.lua", "existing"), ("QAG.TAKE", "existing"), None))
+    for script, module in (("EVALSHA token_bucket.lua", "QAG.TAKE"),
+                           ("EVALSHA lease.lua acquire + release", "QAG.LEASE + QAG.RELEASE"),
+                           ("EVALSHA lease.lua renew", "QAG.RENEW"),
+                           ("EVALSHA quota.lua check", "QAG.QUOTA"),
+                           ("EVALSHA quota.lua add", "QAG.QUOTA.ADD"),
+                           ("EVALSHA window.lua admit (3 scopes)", "QAG.ADMIT (3 scopes)"),
+                           ("EVALSHA window.lua admit RESERVE (3 scopes)",
+                            "QAG.ADMIT RESERVE (3 scopes)"),
+                           ("EVALSHA window.lua record (3 scopes)", "QAG.RECORD (3 scopes)")):
+        targets.append(("%s / %s, existing keys" % (script, module),
+                        (script, "existing"), (module, "existing"), None))
     out.append("")
     out.append("| ratio (instructions per call) | target | " + " | ".join(servers) + " |")
     out.append("|---|---:|" + "---:|" * len(servers))

@@ -105,7 +105,75 @@ def quota_add_kept(k, i):
     return [["QAG.QUOTA.ADD", "q:%d" % k] + ZONE + ["CALLS", 1, "ROWS", 0, "ID", own_id(i), "KEEP", 10]]
 
 
-def rows(sha, cell):
+# The family scripts' rows: each call as its module row's, on the same keys.
+SCRIPTS = {
+    "token_bucket.lua": ["token_bucket.lua"],
+    "lease.lua": ["lease.lua"],
+    "quota.lua": ["request_ids.lua", "quota.lua"],
+    "window.lua": ["request_ids.lua", "window.lua"],
+}
+
+
+def month_period(now):
+    """lua/quota.lua's period arguments for ZONE's month at `now` (as the clients give
+    them): label, start and end, the next month's label and end."""
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    zone = ZoneInfo(ZONE[3])
+
+    def month(year, m):
+        first = datetime(year, m, 1, tzinfo=zone)
+        after = datetime(year + m // 12, m % 12 + 1, 1, tzinfo=zone)
+        return "%04d-%02d" % (year, m), int(first.timestamp()), int(after.timestamp())
+
+    local = datetime.fromtimestamp(now, zone)
+    label, start, end = month(local.year, local.month)
+    following = month(local.year + local.month // 12, local.month % 12 + 1)
+    return [label, start, end, following[0], following[2]]
+
+
+def script_admit(shas, k):
+    words = ["EVALSHA", shas["window.lua"], 3] + window_keys(k) + ["admit", 3600]
+    return words + [BIG, BIG] * 3
+
+
+def script_rows(shas):
+    lease_sha, quota_sha = shas["lease.lua"], shas["quota.lua"]
+    period = month_period(time.time())
+
+    def script_lease(key, ident):
+        return [["EVALSHA", lease_sha, 1, key, "acquire", 1_000_000, 3_600_000, ident]]
+
+    def quota(k, op, count):
+        return [["EVALSHA", quota_sha, 1, "q:%d" % k, op] + period + [count, "", "", ""]]
+
+    return [
+        ("EVALSHA lease.lua acquire + release", "ZADD + ZREMRANGEBYSCORE + ZREM", "existing",
+         lambda k: script_lease("l:%d" % k, "w"),
+         lambda k, i: script_lease("l:%d" % k, "r%d" % i) +
+         [["EVALSHA", lease_sha, 1, "l:%d" % k, "release", "r%d" % i]]),
+        ("EVALSHA lease.lua renew", "ZADD XX", "existing", lambda k: script_lease("l:%d" % k, "w"),
+         lambda k, i: [["EVALSHA", lease_sha, 1, "l:%d" % k, "renew", "w", 3_600_000]]),
+        ("EVALSHA quota.lua check", "HMGET (2 fields)", "existing",
+         lambda k: quota(k, "add", 1), lambda k, i: quota(k, "check", BIG)),
+        ("EVALSHA quota.lua add", "HINCRBY", "existing",
+         lambda k: quota(k, "add", 1), lambda k, i: quota(k, "add", 1)),
+        ("EVALSHA window.lua admit (3 scopes)", "HINCRBY × 3", "existing",
+         lambda k: [script_admit(shas, k) + [0, "", "", ""]],
+         lambda k, i: [script_admit(shas, k) + [0, "", "", ""]]),
+        ("EVALSHA window.lua admit RESERVE (3 scopes)", "HINCRBY × 3", "existing",
+         lambda k: [script_admit(shas, k) + [100, "", "w", ""]],
+         lambda k, i: [script_admit(shas, k) + [100, "", "r%d" % i, ""]]),
+        ("EVALSHA window.lua record (3 scopes)", "HINCRBY × 3", "existing",
+         lambda k: [script_admit(shas, k) + [0, "", "", ""]],
+         lambda k, i: [["EVALSHA", shas["window.lua"], 3] + window_keys(k) +
+                       ["record", 3600, 120, "", "", ""]]),
+    ]
+
+
+def rows(shas, cell):
+    sha = shas["token_bucket.lua"]
     r = [
         # name, family, kind, warm, call
         ("HSET (2 fields)", "floor", "existing", lambda k: hset("h:%d" % k), lambda k, i: hset("h:%d" % k)),
@@ -191,7 +259,7 @@ def rows(sha, cell):
             ("CL.THROTTLE", "SET PX", "creating", lambda k: throttle("CL.THROTTLE", "t:%d" % k),
              lambda k, i: throttle("CL.THROTTLE", "t:new:%d" % i)),
         ]
-    return r
+    return r + script_rows(shas)
 
 
 def write_calls(path, commands):
@@ -311,11 +379,16 @@ def main():
     work = os.path.join(os.path.dirname(os.path.abspath(out_csv)), "work")
     os.makedirs(work, exist_ok=True)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(repo, "lua", "token_bucket.lua"), "rb") as f:
-        script = f.read()
     import hashlib
-    sha = hashlib.sha1(script).hexdigest()
-    table = rows(sha, bool(cell))
+    scripts = {}
+    for name, parts in SCRIPTS.items():
+        text = b""
+        for part in parts:
+            with open(os.path.join(repo, "lua", part), "rb") as f:
+                text += f.read()
+        scripts[name] = text
+    shas = {name: hashlib.sha1(text).hexdigest() for name, text in scripts.items()}
+    table = rows(shas, bool(cell))
     if only:
         table = [r for r in table if r[0] in only]
     # The calls: the same bytes every run.
@@ -342,7 +415,8 @@ def main():
             srv = Server(binary, modules, os.path.join(work, sname))
             try:
                 version = re.search(r"redis_version:(\S+)", srv.cli("INFO", "server")).group(1)
-                srv.cli("SCRIPT", "LOAD", script.decode())
+                for script in scripts.values():
+                    srv.cli("SCRIPT", "LOAD", script.decode())
                 srv.cli("CONFIG", "SET", "hz", "10")
                 for (name, floor, kind, _, _), (wpath, cpath) in zip(table, files):
                     t0 = time.time()

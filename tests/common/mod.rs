@@ -17,6 +17,19 @@ pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
 /// The refund script, the reference QAG.REFUND must match.
 pub const TOKEN_REFUND_LUA: &str = include_str!("../../lua/token_refund.lua");
 
+/// The lease family's script, the reference QAG.LEASE, RENEW, RELEASE and LEASES match.
+pub const LEASE_LUA: &str = include_str!("../../lua/lease.lua");
+/// The quota family's script: the request ids' part, then its own (as the clients send it).
+pub const QUOTA_LUA: &str = concat!(
+    include_str!("../../lua/request_ids.lua"),
+    include_str!("../../lua/quota.lua")
+);
+/// The window family's script: the request ids' part, then its own.
+pub const WINDOW_LUA: &str = concat!(
+    include_str!("../../lua/request_ids.lua"),
+    include_str!("../../lua/window.lua")
+);
+
 /// Loads the token-bucket script; returns its SHA for EVALSHA.
 pub fn load_script(con: &mut Connection) -> String {
     cmd("SCRIPT")

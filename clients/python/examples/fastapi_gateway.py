@@ -82,7 +82,7 @@ async def complete(
                     return Response(status_code=499)
                 await hold.charge(tokens // parts)
             await hold.commit(tokens)
-    except QagError:  # Redis failed under "raise", or has no module
+    except QagError:  # Redis failed under "raise"
         return JSONResponse({"code": "limiter_unavailable"}, 503)
     return JSONResponse({"request_id": limits.request_id, "tokens": tokens}, headers=window)
 

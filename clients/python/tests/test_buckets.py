@@ -82,8 +82,11 @@ def test_without_the_module_auto_runs_the_script_and_module_is_an_error(
     assert not auto.take(Bucket("qag:k", COUNT, PERIOD)).allowed
     with pytest.raises(QagModuleRequired):
         module.take(Bucket("qag:k", COUNT, PERIOD))
+    # Every family: the scripts where the module is missing, QagModuleRequired for "module".
+    usage = auto.quota_add("qag:q", Quota("day", "UTC"), calls=1)
+    assert (usage.calls, usage.answered_by) == (1, "script")
     with pytest.raises(QagModuleRequired):
-        auto.quota_add("qag:q", Quota("day", "UTC"), calls=1)
+        module.quota_add("qag:q", Quota("day", "UTC"), calls=1)
 
 
 def test_pairs_by_module_and_by_script_agree_and_leave_a_refused_key_alone(

@@ -239,15 +239,12 @@ def test_a_node_without_the_module(
         assert [decision.allowed for decision in decisions] == [True, True, False]
         answered[where].update(decision.answered_by for decision in decisions)
         lease_key, quota = f"qag:{{{tag}}}:lease", Quota("day", calls=5)
-        if where == "bare":
-            with pytest.raises(QagModuleRequired):
-                limiter.lease(lease_key, 1, 10_000, "a").__enter__()
-            with pytest.raises(QagModuleRequired):
-                limiter.quota_add(f"qag:{{{tag}}}:quota", quota, calls=1)
-        else:
-            with limiter.lease(lease_key, 1, 10_000, "a"):
-                assert limiter.leases(lease_key) == 1
-            assert limiter.quota_add(f"qag:{{{tag}}}:quota", quota, calls=1).calls == 1
+        by = "script" if where == "bare" else "module"
+        with limiter.lease(lease_key, 1, 10_000, "a") as lease:
+            assert lease.answered_by == by
+            assert limiter.leases(lease_key) == 1
+        usage = limiter.quota_add(f"qag:{{{tag}}}:quota", quota, calls=1)
+        assert (usage.calls, usage.answered_by) == (1, by)
     assert set(answered["bare"]) == {"script"} and set(answered["module"]) == {"module"}
     assert answered["bare"]["script"] >= 9 and answered["module"]["module"] >= 9
     by_port = {node.port: node for node in nodes}

@@ -3,10 +3,12 @@
 module and without it; and the WSGI middleware under Flask. Exact headers call by
 call, the 429 at the right request with ADR 0032's body, the client's bucket refusing
 without touching the key's, refunds on later refusals, the quota counting down,
-streams holding their slot to the last byte, a client gone mid-stream freeing it; the
-quota's fields on every answer to a caller with a quota, the draft's RateLimit fields
-parsed with a Structured Fields parser (http_sfv) and agreeing with the others, a
-window chain's OpenAI-style fields, and a limit in shadow."""
+streams holding their slot to the last byte, a client gone mid-stream freeing it; each
+the same on a server without the module (the scripts answer), and 200 requests at once
+within every limit; the quota's fields on every answer to a caller with a quota, the
+draft's RateLimit fields parsed with a Structured Fields parser (http_sfv) and agreeing
+with the others, a window chain's OpenAI-style fields, a limit in shadow, and a request
+that waits for its turn."""
 
 from __future__ import annotations
 
@@ -92,8 +94,12 @@ def bucket_tokens(server: Server, key: str) -> Optional[int]:
     return None if tokens is None else math.floor(float(tokens))
 
 
+LEASE_LUA = (REPOSITORY / "lua" / "lease.lua").read_text()
+
+
 def leases(server: Server, key: str) -> int:
-    return int(server.client().execute_command("QAG.LEASES", key))
+    """The live leases, asked of the lease script (the module may be missing)."""
+    return int(server.client().eval(LEASE_LUA, 1, key, "count"))
 
 
 def test_the_readme_shows_the_example_verbatim() -> None:
@@ -154,10 +160,11 @@ def test_a_key_bucket_refusal_gives_the_client_token_back(
     assert bucket_tokens(server, "qag:ratelimit:client:1000/3600:127.0.0.1") == 998
 
 
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
 def test_the_quota_counts_down_then_refuses_and_costs_no_tokens(
-    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool
 ) -> None:
-    server = start_server()
+    server = start_server(with_module=with_module)
     gateway = start_gateway(
         server, "--key-limit", "100/3600", "--quota-calls", "3", "--quota-per", "day"
     )
@@ -185,10 +192,11 @@ def test_the_quota_counts_down_then_refuses_and_costs_no_tokens(
     assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~q") == 97
 
 
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
 def test_streams_hold_their_slot_to_the_last_byte(
-    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool
 ) -> None:
-    server = start_server()
+    server = start_server(with_module=with_module)
     gateway = start_gateway(server, "--key-limit", "100/3600", "--max-concurrent", "2")
     slots = "qag:running:acme~s"
     url = gateway.url("key=acme~s&work_ms=1500&chunks=5")
@@ -351,9 +359,10 @@ def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) ->
 def test_a_request_the_limiter_cannot_finish_costs_no_tokens(
     start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
 ) -> None:
-    # Without the module, buckets run on the script but slots cannot be taken: every
-    # request is a 503, and what its buckets took is given back.
-    server = start_server(with_module=False)
+    # A server that refuses the slot (the lease command denied to the gateway's user):
+    # every request is a 503, and what its buckets took is given back.
+    server = start_server()
+    server.client().execute_command("ACL", "SETUSER", "default", "-qag.lease")
     gateway = start_gateway(server, "--key-limit", "3/3600", "--max-concurrent", "2")
     url = gateway.url("key=acme~m")
     for _ in range(5):
@@ -373,10 +382,11 @@ def window_counts(server: Server, key: str) -> Tuple[int, int]:
     return counted, held
 
 
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
 def test_model_calls_hold_their_estimate_and_a_client_gone_frees_it(
-    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool
 ) -> None:
-    server = start_server()
+    server = start_server(with_module=with_module)
     gateway = start_gateway(server, "--tpm", "1000")
     base = f"{gateway.base}/v1/complete?key=acme~t"
     key = "qag:win:{acme~t}:tokens"
@@ -663,3 +673,55 @@ def test_a_request_waits_for_its_turn_instead_of_a_429(
     assert (status, plain_status) == (429, 429)
     assert fields == plain_fields
     assert without_request_id(body) == without_request_id(plain_body)
+
+
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
+def test_two_hundred_requests_at_once_stay_within_every_limit(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool
+) -> None:
+    """200 queries, then 200 model calls, at once, with the module and without it: every
+    answer a 200 or a 429 with one of the gateway's bodies (none a 5xx), and no limit
+    exceeded: the key's bucket spends a token per query that got through (a refused slot
+    gives its token back), the slots in use never above their number, each call once on
+    the quota, each model call's tokens counted once and nothing left held."""
+    server = start_server(with_module=with_module)
+    flags = ["--key-limit", "150/3600", "--max-concurrent", "40", "--tpm", "60000"]
+    gateway = start_gateway(server, *flags, "--quota-calls", "100000", "--quota-per", "day")
+    query = gateway.url("key=acme~z&work_ms=60")
+    complete = f"{gateway.base}/v1/complete?key=acme~y&estimate=1000&tokens=500&work_ms=60"
+    slots = "qag:running:acme~z"
+    assert get(query)[0] == 200  # the gateway connected, the scripts loaded
+
+    async def at_once(url: str) -> Tuple[List[Answer], int]:
+        async with httpx.AsyncClient(
+            timeout=20, limits=httpx.Limits(max_connections=200)
+        ) as client:
+
+            async def one() -> Answer:
+                response = await client.get(url)
+                return response.status_code, limit_fields(response), response.text
+
+            requests = [asyncio.ensure_future(one()) for _ in range(200)]
+            most_held = 0
+            while not all(request.done() for request in requests):
+                most_held = max(most_held, leases(server, slots))
+                await asyncio.sleep(0.005)
+            return [request.result() for request in requests], most_held
+
+    for url, kinds in ((query, {"rate_limited", "too_many_concurrent"}), (complete, None)):
+        answers, most_held = asyncio.run(at_once(url))
+        served = sum(1 for status, _, _ in answers if status == 200)
+        refused = [body for status, _, body in answers if status == 429]
+        what = f"module {with_module}: {served} served, {len(refused)} refused"
+        assert served + len(refused) == 200, [a for a in answers if a[0] not in (200, 429)]
+        assert served >= 40 and refused, what
+        if kinds is not None:
+            assert {body.split('"code":"')[1].split('"')[0] for body in refused} <= kinds, what
+            assert most_held <= 40, f"{what}: {most_held} slots held at once"
+            assert bucket_tokens(server, "qag:ratelimit:key:150/3600:acme~z") == 149 - served
+            assert server.client().hget("qag:quota:acme~z", "calls") == str(served + 1).encode()
+        else:
+            codes = {body.split('"code":"')[1].split('"')[0] for body in refused}
+            assert codes <= {"rate_limited", "too_many_concurrent", "tpm_exceeded"}, what
+            counted, held = window_counts(server, "qag:win:{acme~y}:tokens")
+            assert (counted, held) == (500 * served, 0), what

@@ -171,21 +171,30 @@ def test_a_release_timing_out_on_the_way_out_raises_nothing(
     sleeper.join()
 
 
+def skip_on_redis_8_when_unloading(admin: Any) -> None:
+    info = admin.info("server")
+    if "valkey_version" not in info and int(str(info["redis_version"]).split(".")[0]) >= 8:
+        pytest.skip(
+            "Redis 8.2.3 crashes (SIGSEGV in invalidFunctionWasCalled) when a connection "
+            "sends a command of a module unloaded after it last sent that command"
+        )
+
+
 @pytest.mark.parametrize("failure", ["module unloaded", "NOPERM"])
 def test_renewals_that_fail_lose_the_lease_within_its_ttl(
     start_server: Callable[..., Server], make_limiter: Callable[..., Any], failure: str
 ) -> None:
+    """With the "module" backend, a module unloaded is a failure like NOPERM (with
+    "auto" the script renews: see below)."""
     server = start_server(extra=["--enable-module-command", "yes"])
     admin = server.client()
-    info = admin.info("server")
-    if failure == "module unloaded" and "valkey_version" not in info:
-        if int(str(info["redis_version"]).split(".")[0]) >= 8:
-            pytest.skip(
-                "Redis 8.2.3 crashes (SIGSEGV in invalidFunctionWasCalled) when a connection "
-                "sends a command of a module unloaded after it last sent that command"
-            )
+    if failure == "module unloaded":
+        skip_on_redis_8_when_unloading(admin)
     admin.execute_command("ACL", "SETUSER", "gateway", "on", ">secret", "~qag:*", "+@all")
-    limiter = make_limiter(server, {"username": "gateway", "password": "secret"}, deadline=0.2)
+    backend = "module" if failure == "module unloaded" else "auto"
+    limiter = make_limiter(
+        server, {"username": "gateway", "password": "secret"}, deadline=0.2, backend=backend
+    )
     with limiter.lease("qag:run", 1, TTL_MS, "q1") as lease:
         idle(limiter, TTL_MS / 1000)  # renewed meanwhile
         assert not lease.lost
@@ -200,6 +209,27 @@ def test_renewals_that_fail_lose_the_lease_within_its_ttl(
         expected = QagPermissionError if failure == "NOPERM" else QagModuleRequired
         assert isinstance(lease.last_error, expected), lease.last_error
     assert limiter.counts.errors >= 2  # the renewals
+
+
+def test_renewals_go_on_through_the_script_when_the_module_goes(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    """The module unloaded under a held lease (a node restarted without it): with
+    "auto" the renewals go on through the script on the same key, the lease is never
+    lost, and its release frees the slot."""
+    server = start_server(extra=["--enable-module-command", "yes"])
+    admin = server.client()
+    skip_on_redis_8_when_unloading(admin)
+    limiter = make_limiter(server, deadline=0.2)
+    with limiter.lease("qag:run", 1, TTL_MS, "q1") as lease:
+        admin.execute_command("MODULE", "UNLOAD", "qag")
+        first = float(admin.zscore("qag:run", "q1"))
+        idle(limiter, 2 * TTL_MS / 1000)
+        assert not lease.lost and lease.last_error is None, lease.last_error
+        assert float(admin.zscore("qag:run", "q1")) > first + TTL_MS / 2, "renewed by the script"
+        assert limiter.leases("qag:run") == 1
+    assert admin.exists("qag:run") == 0, "the release deleted the key"
+    assert limiter.counts.errors == 0
 
 
 def test_leaving_a_block_during_a_back_off_releases_the_slot_once_redis_answers(

@@ -10,14 +10,55 @@ from typing import Any, Callable, List, Tuple
 import pytest
 
 from conftest import REPOSITORY
-from qag_client import Bucket, Limiter, QagUnavailable, Quota, Scope
+from qag_client import Bucket, Limiter, QagServerError, QagUnavailable, Quota, Scope
+from qag_client._engine import admit_call, period_arguments, record_call, server_clock
 from qag_client.local import LocalBuckets
 
 
 def test_the_packaged_script_is_the_repositorys_byte_for_byte() -> None:
-    for name in ("token_bucket.lua", "token_refund.lua"):
+    scripts = sorted(path.name for path in (REPOSITORY / "lua").glob("*.lua"))
+    assert scripts == [
+        "lease.lua",
+        "quota.lua",
+        "request_ids.lua",
+        "token_bucket.lua",
+        "token_refund.lua",
+        "window.lua",
+    ]
+    for name in scripts:
         packaged = resources.files("qag_client").joinpath(name).read_bytes()
         assert packaged == (REPOSITORY / "lua" / name).read_bytes(), name
+
+
+def test_the_script_is_given_the_period_and_the_next() -> None:
+    # 2026-03-28 12:00 in Berlin: the next day is 23 hours long (the clocks go forward).
+    assert period_arguments("day", "Europe/Berlin", 1_774_695_600) == (
+        "2026-03-28",
+        1774652400,
+        1774738800,
+        "2026-03-29",
+        1774821600,
+    )
+    with pytest.raises(QagServerError, match="TZ must be a known IANA time zone"):
+        period_arguments("day", "Mars/Olympus", 1_774_695_600)
+    assert server_clock([b"period", b"1796320454", b"78"]) == 1796320454.000078
+    for other in ([1, 2, 3], [b"other", b"1", b"1"], 1, None):
+        assert server_clock(other) is None
+
+
+def test_window_calls_as_the_module_and_the_script_take_them() -> None:
+    chain = [Scope("a", 1, 100), Scope("b", 0, 50)]
+    words, script = admit_call(chain, 30, 40, 500, "r1")
+    head = ["QAG.ADMIT", 2, "a", 1, 100, "b", 0, 50]
+    assert words == head + ["WINDOW", 30, "RESERVE", 40, "HOLD", 500, "ID", "r1"]
+    assert script.keys == ("a", "b")
+    assert script.arguments == ("admit", 30, 1, 100, 0, 50, 40, 500, "r1", "")
+    words, script = admit_call(chain, None, 0, None, None)
+    assert words == head
+    assert script.arguments == ("admit", 60, 1, 100, 0, 50, 0, "", "", "")
+    words, make = record_call(["a", "b"], 7, None, "r1", partial=True)
+    assert words == ["QAG.RECORD", 2, "a", "b", 7, "ID", "r1", "PARTIAL"]
+    assert make("3").arguments == ("record", 60, 7, "r1", "3", "1")
 
 
 def test_local_refunds_refill_first_and_never_write_a_missing_bucket() -> None:

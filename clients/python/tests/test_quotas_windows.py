@@ -1,5 +1,6 @@
-"""Quotas and sliding windows, typed, on both limiters; module only. Quota and lease
-headers from real replies. A request's buckets and quota check in one round trip."""
+"""Quotas and sliding windows, typed, on both limiters, by the module and by the scripts
+on the same keys. Quota and lease headers from real replies. A request's buckets and
+quota check in one round trip."""
 
 from __future__ import annotations
 
@@ -8,16 +9,7 @@ from typing import Any, Callable, List
 import pytest
 
 from conftest import Server
-from qag_client import (
-    Bucket,
-    Limiter,
-    QagModuleRequired,
-    QagRefused,
-    QagServerError,
-    Quota,
-    Scope,
-    headers,
-)
+from qag_client import Bucket, Limiter, QagRefused, QagServerError, Quota, Scope, headers
 from qag_client._driver import Send
 from qag_client._engine import Pipeline
 
@@ -51,9 +43,19 @@ def test_admit_and_record(
     second = limiter.admit(scopes, window=60)
     assert not second.admitted and second.refused_by == 1 and second.retry_after >= 1
     assert limiter.record(["qag:win:{a}:org", "qag:win:{a}:key"], 700) == 2
+    # The scripts count on the same keys: the module's request refuses the script's.
     script_only = make_limiter(server, backend="script")
-    with pytest.raises(QagModuleRequired):
-        script_only.record(["qag:win:{a}:org"], 1)
+    assert script_only.record(["qag:win:{a}:org", "qag:win:{a}:key"], 1) == 2
+    third = script_only.admit(scopes)
+    assert (third.admitted, third.refused_by, third.answered_by) == (False, 1, "script")
+    fields = server.client().hgetall("qag:win:{a}:key")
+    assert sum(int(v) for k, v in fields.items() if k.startswith(b"tok:")) == 701
+    check = script_only.quota_check("qag:q", Quota("day", "UTC", calls=1))
+    assert (check.allowed, check.calls_remaining, check.answered_by) == (True, 1, "script")
+    with script_only.lease("qag:run", 1, 5000, "s1") as lease:
+        assert lease.answered_by == "script"
+        assert limiter.leases("qag:run") == 1
+    assert script_only.leases("qag:run") == 0
 
 
 def test_quota_headers_count_the_call_itself(
@@ -125,7 +127,7 @@ def test_the_buckets_and_the_quota_check_share_a_round_trip(
 ) -> None:
     """Issue 35: a bucket that refuses still shows the quota, read counting nothing; a
     check that fails on its own leaves the buckets' answer standing; without the module
-    the buckets go by script; an outage is answered by the policy for both."""
+    the buckets and the check go by script; an outage is answered by the policy for both."""
     server = start_server()
     raw = server.client()
     limiter = make_limiter(server)
@@ -150,7 +152,8 @@ def test_the_buckets_and_the_quota_check_share_a_round_trip(
     bare = start_server(with_module=False)
     taken = make_limiter(bare).take_with_quota(client, key, "qag:quota:acme~r", quota)
     assert taken.client is not None and taken.client.answered_by == "script"
-    assert isinstance(taken.quota_error, QagModuleRequired)
+    assert taken.quota is not None and taken.quota.answered_by == "script"
+    assert taken.quota.calls_remaining == 5
 
     local = make_limiter(server, on_unavailable="local")
     stop(server)

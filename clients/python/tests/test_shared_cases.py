@@ -20,7 +20,7 @@ from qag_client import (
     headers,
 )
 from qag_client.answers import Refusal
-from qag_client.local import LocalBuckets
+from qag_client.local import LocalBuckets, period
 
 CASES = json.loads((REPOSITORY / "clients/shared_cases.json").read_text())
 
@@ -89,3 +89,12 @@ def test_refusal_answers(case: dict) -> None:
     assert refusal.status == case["status"]
     assert (None if refusal.seconds is None else str(refusal.seconds)) == case["retry_after"]
     assert refusal.body(case["request_id"]) == case["body"]
+
+
+@pytest.mark.parametrize(
+    "case", CASES["quota_periods"], ids=lambda case: f"{case['tz']} {case['label']}"
+)
+def test_quota_periods(case: dict) -> None:
+    """The calendar periods given to lua/quota.lua, as the module computes them."""
+    found = period(case["per"], case["tz"], case["now"])
+    assert found == (case["label"], case["start"], case["end"])

@@ -444,7 +444,7 @@ where
                 Ok((client, key)) => {
                     let quota = pipelined(quota)
                         .map_err(failure_error)
-                        .and_then(|reply| self.quota_checked(check, reply));
+                        .and_then(|reply| self.quota_checked(check, reply, AnsweredBy::Module));
                     return Ok(TakenWithQuota { client, key, quota });
                 }
                 // The module is gone from this server: nothing ran; the script takes.

@@ -69,8 +69,8 @@ pub enum Error {
     /// The server refused the command for this user (NOPERM): a configuration error,
     /// never read as a missing module.
     Permission(Reason),
-    /// The call needs the module (backend `Module`, or a command without a script
-    /// fallback) and the server does not have it.
+    /// The backend is `Module` and the server does not have the module (with `Auto` and
+    /// `Script`, every family's script answers instead).
     ModuleRequired,
     /// Arguments the module would refuse; nothing was sent.
     InvalidArgument(String),

@@ -1,6 +1,6 @@
-//! Concurrency slots: QAG.LEASE, QAG.RENEW, QAG.RELEASE and QAG.LEASES (module only),
-//! a guard that renews a held slot and gives it back, and the answers of the outage
-//! policy. A slot is never stranded by a call that failed to return it: an acquire that
+//! Concurrency slots: QAG.LEASE, QAG.RENEW, QAG.RELEASE and QAG.LEASES where the module
+//! is, `lua/lease.lua` where it is not, a guard that renews a held slot and gives it back,
+//! and the answers of the outage policy. A slot is never stranded by a call that failed to return it: an acquire that
 //! timed out or was dropped after the LEASE may have run releases its id in the
 //! background, and so does a guard dropped without `release()`.
 
@@ -9,14 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
-use redis::cmd;
+use redis::{cmd, Cmd};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::decision::{AnsweredBy, LeaseRefusal, RetryAfter};
-use crate::error::{Error, Failure};
+use crate::error::Error;
 use crate::limiter::unix_micros;
-use crate::limiter::{check, Answer, Instead, Limiter, Path};
+use crate::limiter::{check, Answer, Instead, Limiter};
 use crate::local::share_of;
 use crate::mutex::lock;
 
@@ -106,7 +106,8 @@ where
         limiter.wait = None;
         let (report_lost, lost) = watch::channel(false);
         let renewed = Arc::new(Renewals::default());
-        let renewals = (answered_by == AnsweredBy::Module).then(|| {
+        let in_redis = matches!(answered_by, AnsweredBy::Module | AnsweredBy::Script);
+        let renewals = in_redis.then(|| {
             tokio::spawn(renew_until_lost(
                 limiter.clone(),
                 key.to_owned(),
@@ -157,8 +158,8 @@ where
         &self.id
     }
 
-    /// `Module` for a slot held in Redis, `Local` or `Forwarded` for one the outage
-    /// policy answered.
+    /// `Module` or `Script` for a slot held in Redis, `Local` or `Forwarded` for one the
+    /// outage policy answered.
     pub fn answered_by(&self) -> AnsweredBy {
         self.answered_by
     }
@@ -255,16 +256,13 @@ where
         let mut wait = Duration::from_millis(100);
         let mut last_error = None;
         loop {
-            let attempt = tokio::time::timeout(
-                limiter.shared.deadline,
-                limiter.query::<i64>(cmd("QAG.RELEASE").arg(&key).arg(&id)),
-            )
-            .await;
+            let attempt =
+                tokio::time::timeout(limiter.shared.deadline, limiter.release_remote(&key, &id))
+                    .await;
             match attempt {
-                Ok(Ok(1)) => return,
-                Ok(Ok(_)) => {}
-                Ok(Err(Failure::Error(error))) => last_error = Some(error),
-                Ok(Err(Failure::UnknownCommand)) => last_error = Some(Error::ModuleRequired),
+                Ok(Ok(true)) => return,
+                Ok(Ok(false)) => {}
+                Ok(Err(error)) => last_error = Some(error),
                 Err(_) => last_error = Some(Error::Timeout),
             }
             if Instant::now() + wait >= until {
@@ -316,19 +314,19 @@ async fn renew_until_lost<C>(
     let every = (ttl / 3).max(Duration::from_millis(1));
     let mut confirmed = Instant::now();
     let ttl_ms = ttl.as_millis().to_string();
-    let command = cmd("QAG.RENEW").arg(&key).arg(&id).arg(&ttl_ms).to_owned();
     loop {
         tokio::time::sleep(every).await;
         // Straight to Redis, whatever the back-off: nobody waits on a renewal, and one
         // that gets through during a back-off keeps a slot a blip would have lost.
-        let answer = tokio::time::timeout(limiter.options.deadline, async {
-            Ok(limiter.module_call::<i64>(&command).await? == 1)
-        })
+        let answer = tokio::time::timeout(
+            limiter.options.deadline,
+            limiter.renew_remote(&key, &id, &ttl_ms),
+        )
         .await
         .unwrap_or(Err(Error::Timeout));
         match answer {
-            Ok(true) => confirmed = Instant::now(),
-            Ok(false) => break,
+            Ok(Renewed(true)) => confirmed = Instant::now(),
+            Ok(Renewed(false)) => break,
             Err(error) => {
                 log::warn!(target: "qag_client", "renewing lease {id} of {key} failed: {error}");
                 *lock(&renewed.last_error) = Some(error);
@@ -348,8 +346,8 @@ where
 {
     /// Takes a concurrency slot of `key` (at most `max` at once) for `id`, held for
     /// `ttl` and renewed every `ttl / 3` by the returned guard until it is released or
-    /// dropped. Module only. If the call fails or is cancelled after the LEASE may have
-    /// run, `id` is released in the background.
+    /// dropped. If the call fails or is cancelled after the LEASE may have run, `id` is
+    /// released in the background.
     pub async fn lease(
         &self,
         key: &str,
@@ -373,37 +371,28 @@ where
             maybe_held: &maybe_held,
         };
         let remote = async {
-            if this.options.backend == crate::Backend::Script || this.path().await? == Path::Script
-            {
-                return Err(Error::ModuleRequired);
-            }
             maybe_held.store(true, Ordering::Release);
-            let mut command = cmd("QAG.LEASE")
+            let command = cmd("QAG.LEASE")
                 .arg(key)
                 .arg(&max_text)
                 .arg(&ttl_ms)
                 .arg(id)
                 .to_owned();
-            this.wait_words(&mut command);
-            let command = &command;
-            let sent = this.sent_waiting(
-                |mut con| async move { command.query_async::<Vec<i64>>(&mut con).await },
-                false,
-            );
-            let reply = match sent.await {
-                Ok(reply) => reply,
-                Err(Failure::UnknownCommand) => {
-                    maybe_held.store(false, Ordering::Release);
-                    return Err(Error::ModuleRequired);
-                }
-                Err(Failure::Error(error)) => {
+            let mut script = this.shared.lease_script.key(key);
+            script.arg("acquire").arg(&max_text).arg(&ttl_ms).arg(id);
+            let (reply, answered_by) = match this
+                .family_call_waiting::<Vec<i64>>(&command, &script, false)
+                .await
+            {
+                Ok(answer) => answer,
+                Err(error) => {
                     // An error reply ran nothing; a lost connection may have.
                     if !error.is_unavailable() {
                         maybe_held.store(false, Ordering::Release);
                     }
                     return Err(error);
-                }
-            };
+                    }
+                };
             maybe_held.store(false, Ordering::Release);
             let (reply, waited) = match reply[..] {
                 [acquired, live, retry, waited] => ([acquired, live, retry], waited),
@@ -423,13 +412,13 @@ where
                 .saw(key, live.max(0) as u64, ttl_ms, now);
             match reply {
                 [1, live, _] => Ok(Lease::Held(
-                    LeaseGuard::new(this, key, id, ttl, AnsweredBy::Module)
+                    LeaseGuard::new(this, key, id, ttl, answered_by)
                         .taken_among(live.max(0) as u64, waited),
                 )),
                 [0, live, retry] => Ok(Lease::Refused(LeaseRefusal {
                     live: live.max(0) as u64,
                     retry_after: RetryAfter::Seconds(retry.max(0) as u64),
-                    answered_by: AnsweredBy::Module,
+                    answered_by,
                     waited,
                 })),
                 _ => Err(Error::Server(
@@ -483,9 +472,9 @@ where
             |words| qag_core::lease::parse_renew(words),
             &["QAG.RENEW", key, id, &ttl_ms],
         )?;
-        let command = cmd("QAG.RENEW").arg(key).arg(id).arg(&ttl_ms).to_owned();
-        let remote = async { Ok(this.module_call::<i64>(&command).await? == 1) };
-        this.run(remote, |_| None).await
+        this.run(this.renew_remote(key, id, &ttl_ms), |_| None)
+            .await
+            .map(|renewed| renewed.0)
     }
 
     /// Frees `id`'s slot; false when it held none.
@@ -495,9 +484,7 @@ where
             |words| qag_core::lease::parse_release(words),
             &["QAG.RELEASE", key, id],
         )?;
-        let command = cmd("QAG.RELEASE").arg(key).arg(id).to_owned();
-        let remote = async { Ok(this.module_call::<i64>(&command).await? == 1) };
-        this.run(remote, |_| None).await
+        this.run(this.release_remote(key, id), |_| None).await
     }
 
     /// The live leases of `key` (under the `Local` policy, during a back-off: the ones
@@ -508,9 +495,11 @@ where
             |words| qag_core::lease::parse_leases(words),
             &["QAG.LEASES", key],
         )?;
-        let command = cmd("QAG.LEASES").arg(key).to_owned();
         let remote = async {
-            let live = this.module_call_replayable::<i64>(&command).await?;
+            let mut script = this.shared.lease_script.key(key);
+            script.arg("count");
+            let command = cmd("QAG.LEASES").arg(key).to_owned();
+            let (live, _) = this.family_call::<i64>(&command, &script, true).await?;
             Ok(live.max(0) as u64)
         };
         this.run(remote, |instead| match instead {
@@ -522,5 +511,32 @@ where
             } => Some(state.leases.live(key, share, now_micros as f64 / 1e6)),
         })
         .await
+    }
+
+    /// QAG.RENEW, or the script's renew: whether the lease is still held.
+    async fn renew_remote(&self, key: &str, id: &str, ttl_ms: &str) -> Result<Renewed, Error> {
+        let command = cmd("QAG.RENEW").arg(key).arg(id).arg(ttl_ms).to_owned();
+        let mut script = self.shared.lease_script.key(key);
+        script.arg("renew").arg(id).arg(ttl_ms);
+        let (held, _) = self.family_call::<i64>(&command, &script, false).await?;
+        Ok(Renewed(held == 1))
+    }
+
+    /// QAG.RELEASE, or the script's release: whether a live lease was released.
+    async fn release_remote(&self, key: &str, id: &str) -> Result<bool, Error> {
+        let command: Cmd = cmd("QAG.RELEASE").arg(key).arg(id).to_owned();
+        let mut script = self.shared.lease_script.key(key);
+        script.arg("release").arg(id);
+        let (released, _) = self.family_call::<i64>(&command, &script, false).await?;
+        Ok(released == 1)
+    }
+}
+
+/// A renewal's answer: whether the lease is still held.
+struct Renewed(bool);
+
+impl Answer for Renewed {
+    fn answered_by(&self) -> Option<AnsweredBy> {
+        None
     }
 }

@@ -1,8 +1,8 @@
 //! A gateway's client for qag.
 //!
-//! [`Limiter`] calls the module's QAG.* commands where the server has them and, for
-//! token buckets, the repository's `lua/token_bucket.lua` where it does not (the same
-//! keys and replies, so a budget is never split or doubled), turns replies into typed
+//! [`Limiter`] calls the module's QAG.* commands where the server has them and the
+//! repository's scripts (`lua/`: token buckets, leases, quotas, windows) where it does
+//! not (the same keys and replies, so a budget is never split or doubled), turns replies into typed
 //! decisions, holds concurrency slots with self-renewing [`LeaseGuard`]s, answers by its
 //! [`OnUnavailable`] policy when Redis fails (with one timeout per back-off), and renders
 //! [`Headers`] for a response. Decisions, header rendering, the outage policy and local
@@ -39,7 +39,10 @@ pub use error::{Error, Reason};
 pub use headers::Headers;
 pub use ids::new_request_id;
 pub use leases::{Lease, LeaseGuard};
-pub use limiter::{Backend, CrossSlot, Limiter, Options, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA};
+pub use limiter::{
+    Backend, CrossSlot, Limiter, Options, LEASE_LUA, QUOTA_LUA, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA,
+    WINDOW_LUA,
+};
 pub use naming::{bucket_key, Bucket};
 pub use nodes::ClusterNodes;
 pub use policy::{Counts, OnUnavailable};

@@ -1,6 +1,7 @@
-//! The thin layer that talks to Redis: the connection, which backend answers, the
-//! per-call deadline, and running every call under the outage policy. The commands of
-//! each family are in their own files (buckets, leases, quotas, windows).
+//! The thin layer that talks to Redis: the connection, which backend answers (the
+//! module's command, or the family's script on the same keys), the per-call deadline,
+//! and running every call under the outage policy. The commands of each family are in
+//! their own files (buckets, leases, quotas, windows).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -27,18 +28,33 @@ use crate::waiting::WaitConnections;
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
 /// The repository's refund script, QAG.REFUND's twin on the same keys.
 pub const TOKEN_REFUND_LUA: &str = include_str!("../../../lua/token_refund.lua");
+/// The lease family's script: QAG.LEASE, RENEW, RELEASE and LEASES on the same keys.
+pub const LEASE_LUA: &str = include_str!("../../../lua/lease.lua");
+/// The quota family's script: request ids' part, then QAG.QUOTA, QUOTA.ADD and
+/// QUOTA.SEED on the same keys (the calendar period given by the client).
+pub const QUOTA_LUA: &str = concat!(
+    include_str!("../../../lua/request_ids.lua"),
+    include_str!("../../../lua/quota.lua")
+);
+/// The window family's script: request ids' part, then QAG.ADMIT and QAG.RECORD
+/// (reservations included) on the same keys.
+pub const WINDOW_LUA: &str = concat!(
+    include_str!("../../../lua/request_ids.lua"),
+    include_str!("../../../lua/window.lua")
+);
 
-/// Where token-bucket calls go.
+/// Where calls go: the module's commands, or each family's script (lua/), which keeps
+/// the same keys and answers the same.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Backend {
-    /// The module where the server has it, else the script: the module's command is
+    /// The module where the server has it, else the scripts: the module's command is
     /// sent, and a server answering "unknown command" is remembered without it (per
-    /// node on a cluster).
+    /// node on a cluster) for `recheck_missing_module`.
     #[default]
     Auto,
     /// The module only: [`Error::ModuleRequired`] where it is missing.
     Module,
-    /// The script only, even where the module is loaded.
+    /// The scripts only, even where the module is loaded.
     Script,
 }
 
@@ -145,6 +161,9 @@ pub(crate) struct Shared {
     pub(crate) deadline: Duration,
     pub(crate) script: redis::Script,
     pub(crate) refund_script: redis::Script,
+    pub(crate) lease_script: redis::Script,
+    pub(crate) quota_script: redis::Script,
+    pub(crate) window_script: redis::Script,
 }
 
 /// A future of the connection's, boxed (a ping of one node).
@@ -442,6 +461,9 @@ where
             deadline: options.deadline,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
             refund_script: redis::Script::new(TOKEN_REFUND_LUA),
+            lease_script: redis::Script::new(LEASE_LUA),
+            quota_script: redis::Script::new(QUOTA_LUA),
+            window_script: redis::Script::new(WINDOW_LUA),
         });
         Limiter {
             link: Arc::new(link),
@@ -804,34 +826,41 @@ where
         *lock(&self.node.keeps) = None;
     }
 
-    /// A spend call (a quota add, a record) whose words end with its id: with `own_id`
-    /// (the limiter's, replayed only within the call), `KEEP seconds` after it, so the
-    /// key remembers the id a few seconds, not ID-SECONDS. A module older than KEEP
-    /// refuses the word, writing nothing: the call is sent again without, and this
-    /// server is not asked with it again until the connection fails.
+    /// The KEEP seconds of a spend call's own id: the deadline and a second, at least
+    /// OWN_ID_KEEP (its replays come within the call).
+    pub(crate) fn own_keep(&self) -> u64 {
+        let keep = self.options.deadline.as_secs_f64().ceil() as u64 + 1;
+        keep.clamp(OWN_ID_KEEP, 86_400)
+    }
+
+    /// The module's reply to a spend call (a quota add, a record) whose words end with
+    /// its id, or None where this node has no module (see [`Limiter::module_reply`]):
+    /// with `own_id` (the limiter's, replayed only within the call), `KEEP seconds`
+    /// after it, so the key remembers the id a few seconds, not ID-SECONDS. A module
+    /// older than KEEP refuses the word, writing nothing: the call is sent again without,
+    /// and this server is not asked with it again until the connection fails.
     pub(crate) async fn spend_call<T: FromRedisValue>(
         &self,
         words: &[String],
         own_id: bool,
-    ) -> Result<T, Error> {
+    ) -> Result<Option<T>, Error> {
         let keeps = *lock(&self.node.keeps);
         if own_id && keeps != Some(false) {
-            let keep = (self.options.deadline.as_secs_f64().ceil() as u64 + 1).max(OWN_ID_KEEP);
             let mut kept = words.to_vec();
-            kept.extend(["KEEP".into(), keep.min(86_400).to_string()]);
-            match self.module_call_replayable(&command(&kept)).await {
+            kept.extend(["KEEP".into(), self.own_keep().to_string()]);
+            match self.module_reply(&command(&kept), true).await {
                 Err(Error::Server(reason)) if keeps.is_none() && refuses_keep(&reason) => {
                     *lock(&self.node.keeps) = Some(false);
                 }
                 answer => {
-                    if answer.is_ok() {
+                    if matches!(answer, Ok(Some(_))) {
                         *lock(&self.node.keeps) = Some(true);
                     }
                     return answer;
                 }
             }
         }
-        self.module_call_replayable(&command(words)).await
+        self.module_reply(&command(words), true).await
     }
 
     /// A module command failed: a missing command means the module is gone from this
@@ -850,44 +879,86 @@ where
         }
     }
 
-    /// A command of a family without a script: ModuleRequired where the module is
-    /// known missing or turns out missing.
-    pub(crate) async fn module_call<T: FromRedisValue>(&self, command: &Cmd) -> Result<T, Error> {
-        self.module_call_of(command, false).await
-    }
-
-    /// [`Limiter::module_call`] of a command that carries an `ID` or only reads: sent
+    /// The module's reply to a family's command, or None where this node has no module
+    /// and the family's script is to answer: `Script`, or `Auto` on a node that answered
+    /// "unknown command" lately (this call's answer tells too); `Module` reports a
+    /// missing module. `replayable`: a command that carries an `ID` or only reads, sent
     /// once more after a dropped connection (see [`Limiter::query_replayable`]).
-    pub(crate) async fn module_call_replayable<T: FromRedisValue>(
-        &self,
-        command: &Cmd,
-    ) -> Result<T, Error> {
-        self.module_call_of(command, true).await
-    }
-
-    async fn module_call_of<T: FromRedisValue>(
+    pub(crate) async fn module_reply<T: FromRedisValue>(
         &self,
         command: &Cmd,
         replayable: bool,
-    ) -> Result<T, Error> {
-        if self.options.backend == Backend::Script || self.path().await? == Path::Script {
-            return Err(Error::ModuleRequired);
+    ) -> Result<Option<T>, Error> {
+        if self.path().await? == Path::Script {
+            return Ok(None);
         }
-        let answer = if replayable {
-            self.query_replayable(command).await
-        } else {
-            self.query(command).await
+        let answer = match replayable {
+            true => self.query_replayable(command).await,
+            false => self.query(command).await,
         };
-        answer.map_err(|failure| match failure {
-            Failure::UnknownCommand => {
-                self.note_missing();
-                Error::ModuleRequired
-            }
-            Failure::Error(error) => error,
-        })
+        match answer {
+            Ok(reply) => Ok(Some(reply)),
+            Err(failure) => self.module_failed(failure).map(|()| None),
+        }
     }
 
-    /// Which path a bucket call takes now: the module unless this node answered
+    /// A family's script on its keys, the module's twin (EVALSHA, and SCRIPT LOAD when
+    /// the server answers NOSCRIPT); `replayable` as for [`Limiter::module_reply`].
+    pub(crate) async fn script_reply<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+        replayable: bool,
+    ) -> Result<T, Error> {
+        self.sent(
+            |mut con| async move { invocation.invoke_async(&mut con).await },
+            replayable,
+        )
+        .await
+        .map_err(failure_error)
+    }
+
+    /// A family's call: the module's command where this node has the module, else its
+    /// script, and which answered.
+    pub(crate) async fn family_call<T: FromRedisValue>(
+        &self,
+        command: &Cmd,
+        script: &redis::ScriptInvocation<'_>,
+        replayable: bool,
+    ) -> Result<(T, AnsweredBy), Error> {
+        if let Some(reply) = self.module_reply(command, replayable).await? {
+            return Ok((reply, AnsweredBy::Module));
+        }
+        let reply = self.script_reply(script, replayable).await?;
+        Ok((reply, AnsweredBy::Script))
+    }
+
+    /// As [`Limiter::family_call`], for a call that may wait ([`Limiter::with_wait`]):
+    /// the module's command with `WAIT ms` after it, on a connection of its own; the
+    /// script answers at once.
+    pub(crate) async fn family_call_waiting<T: FromRedisValue>(
+        &self,
+        command: &Cmd,
+        script: &redis::ScriptInvocation<'_>,
+        replayable: bool,
+    ) -> Result<(T, AnsweredBy), Error> {
+        if self.path().await? == Path::Module {
+            let mut command = command.clone();
+            self.wait_words(&mut command);
+            let command = &command;
+            let sent = self.sent_waiting(
+                |mut con| async move { command.query_async(&mut con).await },
+                replayable,
+            );
+            match sent.await {
+                Ok(reply) => return Ok((reply, AnsweredBy::Module)),
+                Err(failure) => self.module_failed(failure)?,
+            }
+        }
+        let reply = self.script_reply(script, replayable).await?;
+        Ok((reply, AnsweredBy::Script))
+    }
+
+    /// Which path a call takes now: the module unless this node answered
     /// "unknown command" within `recheck_missing_module` (the call's own reply tells,
     /// on the node that runs it: no separate question to any node).
     pub(crate) async fn path(&self) -> Result<Path, Error> {

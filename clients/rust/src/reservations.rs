@@ -13,13 +13,12 @@ use std::time::{Duration, Instant};
 
 use qag_core::window;
 use redis::aio::ConnectionLike;
-use redis::Cmd;
 
 use crate::decision::{Admission, AnsweredBy, Recorded, Scope};
-use crate::error::{Error, Failure};
-use crate::limiter::{command, unix_micros, Limiter};
+use crate::error::Error;
+use crate::limiter::{unix_micros, Limiter};
 use crate::mutex::lock;
-use crate::windows::{admit_words, as_tokens, clock, record_words, Reserve};
+use crate::windows::{as_tokens, clock, Reserve};
 
 /// A reservation's admission and the hold it keeps until [`Reservation::commit`]. A
 /// refused request holds nothing; one admitted by the `Forward` policy holds nothing
@@ -99,7 +98,7 @@ where
         self.charged
     }
 
-    /// `Module` for a hold in Redis (or a refusal Redis answered), `Local` or
+    /// `Module` or `Script` for a hold in Redis (or a refusal Redis answered), `Local` or
     /// `Forwarded` for an admission the outage policy answered.
     pub fn answered_by(&self) -> AnsweredBy {
         self.admission.answered_by
@@ -152,7 +151,7 @@ where
                 if !matches!(
                     answer,
                     Ok(Recorded {
-                        answered_by: AnsweredBy::Module,
+                        answered_by: AnsweredBy::Module | AnsweredBy::Script,
                         ..
                     })
                 ) {
@@ -231,21 +230,31 @@ fn commit_in_background<C>(
 ) where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let commit = command(&record_words(keys, tokens, window, id));
+    let commit = Commit {
+        keys: keys.to_vec(),
+        window,
+        tokens,
+    };
     settle_in_background(limiter, id, None, commit, until);
 }
 
-/// Sends `commit` (after `admit`, the words of a replay of the reservation's ADMIT
-/// without its HOLD, if given) until Redis answers, as [`commit_in_background`] says.
-/// The replay holds for what is left until `until` at most: on a server that lost the
-/// first ADMIT (a restart, a failover before it replicated) it makes a hold of its own,
-/// which must not outlive the one it stands for if the commit after it never gets
-/// through.
+/// A commit to send: QAG.RECORD … ID id of `tokens` on the reservation's chain.
+struct Commit {
+    keys: Vec<String>,
+    window: Option<u32>,
+    tokens: u64,
+}
+
+/// Sends `commit` (after `admit`, a replay of the reservation's ADMIT: its scopes and
+/// tokens, if given) until Redis answers, as [`commit_in_background`] says. The replay
+/// holds for what is left until `until` at most: on a server that lost the first ADMIT
+/// (a restart, a failover before it replicated) it makes a hold of its own, which must
+/// not outlive the one it stands for if the commit after it never gets through.
 fn settle_in_background<C>(
     limiter: &Limiter<C>,
     id: &str,
-    admit: Option<Vec<String>>,
-    commit: Cmd,
+    admit: Option<(Vec<Scope>, u64)>,
+    commit: Commit,
     until: Instant,
 ) where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -254,32 +263,33 @@ fn settle_in_background<C>(
         log::warn!(target: "qag_client", "reservation {id} dropped outside a tokio runtime: its hold counts until it expires");
         return;
     };
-    let limiter = limiter.clone();
+    let (limiter, id) = (limiter.clone(), id.to_owned());
     runtime.spawn(async move {
         let mut wait = Duration::from_millis(100);
+        let keys: Vec<&str> = commit.keys.iter().map(String::as_str).collect();
         loop {
             let attempt = tokio::time::timeout(limiter.shared.deadline, async {
-                if let Some(admit) = &admit {
+                if let Some((scopes, tokens)) = &admit {
                     let left = until.saturating_duration_since(Instant::now());
-                    let mut words = admit.clone();
-                    words.extend(["HOLD".into(), left.as_millis().max(1).to_string()]);
+                    let reserve = Reserve {
+                        tokens: *tokens,
+                        hold: Some(left),
+                    };
                     limiter
-                        .query_replayable::<redis::Value>(&command(&words))
+                        .admit_remote(scopes, commit.window, Some(reserve), Some(&id))
                         .await?;
                 }
-                limiter.query_replayable::<i64>(&commit).await
+                limiter
+                    .record_remote(&keys, commit.tokens, commit.window, &id, false, false)
+                    .await
             })
             .await;
             let error = match attempt {
                 Ok(Ok(_)) => return,
-                Ok(Err(Failure::Error(error))) if error.is_unavailable() => error,
-                Ok(Err(Failure::Error(error))) => {
+                Ok(Err(error)) if error.is_unavailable() => error,
+                Ok(Err(error)) => {
                     // An error reply (NOPERM, WRONGTYPE): no attempt will do better.
                     limiter.background_failure("committing a reservation", &error);
-                    return;
-                }
-                Ok(Err(Failure::UnknownCommand)) => {
-                    // Redis restarted without the module: no hold is left to release.
                     return;
                 }
                 Err(_) => Error::Timeout,
@@ -304,8 +314,9 @@ where
     keys: &'a [String],
     window: Option<u32>,
     id: &'a str,
-    /// The ADMIT's words without its HOLD, replayed before the release.
-    admit: Vec<String>,
+    /// The ADMIT's scopes and tokens, replayed before the release.
+    scopes: &'a [Scope],
+    tokens: u64,
     until: Instant,
     sent: &'a AtomicBool,
 }
@@ -316,8 +327,12 @@ where
 {
     fn drop(&mut self) {
         if self.sent.load(Ordering::Acquire) {
-            let release = command(&record_words(self.keys, 0, self.window, self.id));
-            let admit = Some(self.admit.clone());
+            let release = Commit {
+                keys: self.keys.to_vec(),
+                window: self.window,
+                tokens: 0,
+            };
+            let admit = Some((self.scopes.to_vec(), self.tokens));
             settle_in_background(self.limiter, self.id, admit, release, self.until);
         }
     }
@@ -332,8 +347,8 @@ where
     /// until the returned guard commits the actual count: QAG.ADMIT … RESERVE tokens ID
     /// id [HOLD ms]. Admitted only if the tokens fit beside what is counted and held.
     /// `hold` shortens how long the hold may count (default: until the end of the next
-    /// window). Module only; replayable. If the call fails or is cancelled after the
-    /// ADMIT may have run, its hold is released in the background.
+    /// window). Replayable. If the call fails or is cancelled after the ADMIT may have
+    /// run, its hold is released in the background.
     pub async fn reserve(
         &self,
         scopes: &[Scope],
@@ -356,12 +371,8 @@ where
             keys: &keys,
             window,
             id: &id,
-            admit: admit_words(
-                scopes,
-                window,
-                Some(Reserve { tokens, hold: None }),
-                Some(&id),
-            ),
+            scopes,
+            tokens,
             until,
             sent: &sent,
         };
@@ -376,8 +387,12 @@ where
             }
         };
         // Redis answered: its answer says what is held (a refusal holds nothing).
-        let open = admission.answered_by == AnsweredBy::Module && admission.admitted;
-        if admission.answered_by == AnsweredBy::Module {
+        let in_redis = matches!(
+            admission.answered_by,
+            AnsweredBy::Module | AnsweredBy::Script
+        );
+        let open = in_redis && admission.admitted;
+        if in_redis {
             sent.store(false, Ordering::Release);
         }
         drop(pending);

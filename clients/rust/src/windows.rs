@@ -1,7 +1,7 @@
 //! Sliding windows across a chain of scopes: QAG.ADMIT before a model call, QAG.RECORD
-//! of its tokens after it (module only), and the answers of the outage policy. Both carry
-//! an id and are replayed after a dropped connection; reservations (`RESERVE`, `PARTIAL`)
-//! are built on them in reservations.rs.
+//! of its tokens after it (or `lua/window.lua` where the module is not), and the answers
+//! of the outage policy. Both carry an id and are replayed after a dropped connection;
+//! reservations (`RESERVE`, `PARTIAL`) are built on them in reservations.rs.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -38,8 +38,7 @@ pub(crate) fn as_tokens(tokens: u64) -> i64 {
 }
 
 pub(crate) fn clock(window: Option<u32>, now_micros: i64) -> Clock {
-    let seconds = window.map_or(window::DEFAULT_WINDOW_SECONDS, i64::from);
-    Clock::new(seconds, now_micros)
+    Clock::new(window_seconds(window), now_micros)
 }
 
 /// A limit scaled to this process's share; 0 (no limit) stays 0.
@@ -63,7 +62,7 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// Admits a request through every scope of a chain (requests and tokens per
-    /// window, default 60 s), charging one request to each when admitted. Module only.
+    /// window, default 60 s), charging one request to each when admitted.
     /// Sent once more after a dropped connection: with the caller's id
     /// ([`Limiter::with_id`]) it counts once; without (the default: an admission sends
     /// no id of the limiter's), a first call that ran is charged again, erring stricter
@@ -91,15 +90,15 @@ where
                     .collect::<Vec<_>>(),
             )
             .await?;
-        let words = admit_words(scopes, window, reserve, id);
-        check(|words| window::parse_admit(words), &words)?;
+        check(
+            |words| window::parse_admit(words),
+            &admit_words(scopes, window, reserve, id),
+        )?;
         let remote = async {
             if let Some(sent) = sent {
                 sent.store(true, Ordering::Release);
             }
-            let reply: Vec<i64> = this.module_call_replayable(&command(&words)).await?;
-            let admission =
-                Admission::from_reply(&reply).map_err(|why| Error::Server(why.into()))?;
+            let admission = this.admit_remote(scopes, window, reserve, id).await?;
             // Redis's last word on the chain, where local counting would begin.
             let chain: Vec<(&str, u64, u64)> = scopes
                 .iter()
@@ -195,17 +194,7 @@ where
             words.push("PARTIAL".into());
         }
         check(|words| window::parse_record(words), &words)?;
-        let remote = async {
-            let charged: i64 = if partial {
-                this.module_call(&command(&words)).await?
-            } else {
-                this.spend_call(&words, own_id).await?
-            };
-            Ok(Recorded {
-                charged: charged.max(0) as u64,
-                answered_by: AnsweredBy::Module,
-            })
-        };
+        let remote = this.record_remote(keys, tokens, window, id, partial, own_id);
         this.run(remote, |instead| {
             Some(match instead {
                 Instead::Forward => Recorded {
@@ -229,6 +218,97 @@ where
     }
 }
 
+impl<C> Limiter<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// QAG.ADMIT, or the script's admit, straight to Redis (no policy): the admission
+    /// and which answered. Sent once more after a dropped connection.
+    pub(crate) async fn admit_remote(
+        &self,
+        scopes: &[Scope],
+        window: Option<u32>,
+        reserve: Option<Reserve>,
+        id: Option<&str>,
+    ) -> Result<Admission, Error> {
+        let words = admit_words(scopes, window, reserve, id);
+        let keys: Vec<&str> = scopes.iter().map(|scope| scope.key.as_str()).collect();
+        let mut script = self.shared.window_script.key(&keys[..]);
+        script.arg("admit").arg(window_seconds(window));
+        for scope in scopes {
+            script.arg(scope.rpm).arg(scope.tpm);
+        }
+        let hold = reserve.and_then(|reserve| reserve.hold).map(hold_millis);
+        script
+            .arg(reserve.map_or(0, |reserve| reserve.tokens))
+            .arg(hold.map_or(String::new(), |ms| ms.to_string()))
+            .arg(id.unwrap_or_default())
+            .arg("");
+        let (reply, answered_by): (Vec<i64>, _) =
+            self.family_call(&command(&words), &script, true).await?;
+        let admission = Admission::from_reply(&reply).map_err(|why| Error::Server(why.into()))?;
+        Ok(Admission {
+            answered_by,
+            ..admission
+        })
+    }
+
+    /// QAG.RECORD with `id`, or the script's record, straight to Redis (no policy): the
+    /// scopes charged and which answered. A partial charge is never resent; a commit or
+    /// a plain record is (it carries its id). `own_id`: the limiter's own id, remembered
+    /// seconds (KEEP).
+    pub(crate) async fn record_remote(
+        &self,
+        keys: &[&str],
+        tokens: u64,
+        window: Option<u32>,
+        id: &str,
+        partial: bool,
+        own_id: bool,
+    ) -> Result<Recorded, Error> {
+        let mut words = record_words(keys, tokens, window, id);
+        if partial {
+            words.push("PARTIAL".into());
+        }
+        let module: Option<i64> = match partial {
+            true => self.module_reply(&command(&words), false).await?,
+            false => self.spend_call(&words, own_id).await?,
+        };
+        let (charged, answered_by) = match module {
+            Some(charged) => (charged, AnsweredBy::Module),
+            None => {
+                let keep = (own_id && !partial).then(|| self.own_keep().to_string());
+                let mut script = self.shared.window_script.key(keys);
+                script
+                    .arg("record")
+                    .arg(window_seconds(window))
+                    .arg(tokens)
+                    .arg(id)
+                    .arg(keep.unwrap_or_default())
+                    .arg(if partial { "1" } else { "" });
+                (
+                    self.script_reply(&script, !partial).await?,
+                    AnsweredBy::Script,
+                )
+            }
+        };
+        Ok(Recorded {
+            charged: charged.max(0) as u64,
+            answered_by,
+        })
+    }
+}
+
+fn window_seconds(window: Option<u32>) -> i64 {
+    window.map_or(window::DEFAULT_WINDOW_SECONDS, i64::from)
+}
+
+/// A HOLD in whole milliseconds, at least 1 (the module rounds up to a sixteenth of the
+/// window).
+fn hold_millis(hold: Duration) -> u128 {
+    hold.as_millis().max(1)
+}
+
 /// QAG.ADMIT's words with `ID id` last (and `RESERVE tokens [HOLD ms]` for a reservation).
 pub(crate) fn admit_words(
     scopes: &[Scope],
@@ -248,10 +328,7 @@ pub(crate) fn admit_words(
     if let Some(reserve) = reserve {
         words.extend(["RESERVE".into(), reserve.tokens.to_string()]);
         if let Some(hold) = reserve.hold {
-            // Whole milliseconds, at least 1 (the module rounds up to a sixteenth of
-            // the window).
-            let millis = hold.as_millis().max(1);
-            words.extend(["HOLD".into(), millis.to_string()]);
+            words.extend(["HOLD".into(), hold_millis(hold).to_string()]);
         }
     }
     if let Some(id) = id {

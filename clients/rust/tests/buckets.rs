@@ -160,19 +160,17 @@ async fn without_the_module_auto_runs_the_script_and_module_is_an_error() {
             .await,
         Err(Error::ModuleRequired)
     );
+    // Every family: the scripts where the module is missing, ModuleRequired for Module.
+    let quota = qag_client::Quota {
+        per: qag_client::Per::Day,
+        zone: "UTC".into(),
+        calls: Some(10),
+        rows: None,
+    };
+    let added = auto.quota_add("qag:q", &quota, 1, 0).await.unwrap();
+    assert_eq!((added.calls, added.answered_by), (1, AnsweredBy::Script));
     assert_eq!(
-        auto.quota_add(
-            "qag:q",
-            &qag_client::Quota {
-                per: qag_client::Per::Day,
-                zone: "UTC".into(),
-                calls: Some(10),
-                rows: None
-            },
-            1,
-            0
-        )
-        .await,
+        module.quota_add("qag:q", &quota, 1, 0).await,
         Err(Error::ModuleRequired)
     );
     // Bad arguments are refused before anything is sent, with the module's words.

@@ -360,13 +360,17 @@ async fn a_node_without_the_module_changes_nothing_on_the_others() {
         let added = limiter
             .quota_add(&format!("qag:{{{tag}}}:quota"), &quota, 1, 0)
             .await;
-        if on_bare {
-            assert!(matches!(lease, Err(Error::ModuleRequired)));
-            assert!(matches!(added, Err(Error::ModuleRequired)));
+        let by = if on_bare {
+            AnsweredBy::Script
         } else {
-            assert!(matches!(lease, Ok(Lease::Held(_))));
-            assert_eq!(added.unwrap().calls, 1);
+            AnsweredBy::Module
+        };
+        match lease {
+            Ok(Lease::Held(guard)) => assert_eq!(guard.answered_by(), by),
+            other => panic!("{other:?}"),
         }
+        let added = added.unwrap();
+        assert_eq!((added.calls, added.answered_by), (1, by));
     }
     let kinds: BTreeSet<_> = answered.keys().cloned().collect();
     assert_eq!(

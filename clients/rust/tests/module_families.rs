@@ -1,6 +1,7 @@
 //! Leases, quotas and windows through the crate: the lease guard renews, releases and
-//! reports a lost lease; quotas and windows are typed, and need the module; a request's
-//! buckets and quota check go in one round trip.
+//! reports a lost lease; quotas and windows are typed, and answered by the family's
+//! script where the backend says so (or the module is missing); a request's buckets and
+//! quota check go in one round trip.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -177,7 +178,7 @@ async fn quotas_and_windows_are_typed() {
         })
     );
 
-    // A server of a client that uses the script only has no quota: ModuleRequired.
+    // A client that uses the scripts only counts on the same keys, and says so.
     let script_only = Limiter::with_options(
         server
             .client()
@@ -191,8 +192,42 @@ async fn quotas_and_windows_are_typed() {
     );
     assert_eq!(
         script_only.record(&keys, 1, None).await,
-        Err(Error::ModuleRequired)
+        Ok(Recorded {
+            charged: 2,
+            answered_by: AnsweredBy::Script
+        })
     );
+    let third = script_only.admit(&scopes, None).await.unwrap();
+    assert_eq!(
+        (third.admitted, third.refused_by, third.answered_by),
+        (false, Some(1), AnsweredBy::Script),
+        "the module's request counted by the script"
+    );
+    let mut raw = server.client().get_connection().unwrap();
+    assert_eq!(counted(&mut raw, "qag:win:{a}:key", "tok:"), 701);
+    let checked = script_only.quota_check("qag:q", &quota).await.unwrap();
+    assert_eq!(
+        (
+            checked.allowed,
+            checked.calls_remaining,
+            checked.answered_by
+        ),
+        (false, Some(0), AnsweredBy::Script)
+    );
+    let Lease::Held(guard) = script_only
+        .lease("qag:run", 1, Duration::from_secs(5), "s1")
+        .await
+        .unwrap()
+    else {
+        panic!("a free slot was refused");
+    };
+    assert_eq!(guard.answered_by(), AnsweredBy::Script);
+    assert_eq!(
+        limiter.leases("qag:run").await.unwrap(),
+        1,
+        "the module sees the script's lease"
+    );
+    assert_eq!(guard.release().await, Ok(true));
 }
 
 /// A relay on loopback to a server that keeps what the client wrote, one entry a read.
@@ -295,7 +330,7 @@ async fn the_buckets_and_the_quota_check_share_a_round_trip() {
         (None, Some(8))
     );
 
-    // Without the module: the buckets by script, the check the module's to give.
+    // Without the module: the buckets and the check by script.
     let bare = Server::start(&ServerOptions {
         without_module: true,
         ..Default::default()
@@ -305,11 +340,9 @@ async fn the_buckets_and_the_quota_check_share_a_round_trip() {
         bare_limiter.take_with_quota(Some(&client), Some(&key), 1, "qag:quota:acme~r", &quota);
     let taken = taken.await.unwrap();
     assert_eq!(taken.client.unwrap().answered_by, AnsweredBy::Script);
-    assert!(
-        matches!(taken.quota, Err(Error::ModuleRequired)),
-        "{:?}",
-        taken.quota
-    );
+    let quota_decision = taken.quota.unwrap();
+    assert_eq!(quota_decision.answered_by, AnsweredBy::Script);
+    assert_eq!(quota_decision.calls_remaining, Some(5));
 
     // Redis stopped, under the local policy: both answered in this process.
     let options = Options {

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use qag_client::{
-    AnsweredBy, Bucket, Error, Headers, Lease, Limiter, OnUnavailable, Options, Per, Quota, Scope,
+    AnsweredBy, Backend, Bucket, Error, Headers, Lease, Limiter, OnUnavailable, Options, Per,
+    Quota, Scope,
 };
 use redis::aio::ConnectionManager;
 
@@ -397,9 +398,16 @@ async fn failing_renewals_report_the_lease_lost_within_its_ttl() {
         return;
     }
     let ttl = Duration::from_millis(600);
-    for cause in ["module unloaded", "NOPERM"] {
+    for (cause, backend) in [
+        ("module unloaded", Backend::Module),
+        ("NOPERM", Backend::Auto),
+    ] {
         let server = Server::start(&debuggable());
-        let limiter = limiter(&server, Options::default()).await;
+        let options = Options {
+            backend,
+            ..Options::default()
+        };
+        let limiter = limiter(&server, options).await;
         let Lease::Held(mut guard) = limiter.lease("qag:l", 2, ttl, "a").await.unwrap() else {
             panic!("refused")
         };
@@ -413,11 +421,7 @@ async fn failing_renewals_report_the_lease_lost_within_its_ttl() {
                 .query(&mut con)
                 .unwrap();
         } else {
-            let _: () = cmd("MODULE")
-                .arg("UNLOAD")
-                .arg("qag")
-                .query(&mut con)
-                .unwrap();
+            unload_module(&mut con);
         }
         tokio::time::timeout(ttl, guard.lost())
             .await
@@ -430,6 +434,40 @@ async fn failing_renewals_report_the_lease_lost_within_its_ttl() {
         };
         assert!(expected, "{cause}: {:?}", guard.last_error());
     }
+}
+
+fn unload_module(con: &mut Connection) {
+    let _: () = cmd("MODULE").arg("UNLOAD").arg("qag").query(con).unwrap();
+}
+
+/// The module unloaded under a held lease (a node restarted without it): with `Auto`
+/// the renewals go on through the script on the same key, the lease is never lost, and
+/// its release frees the slot.
+#[tokio::test(flavor = "multi_thread")]
+async fn renewals_go_on_through_the_script_when_the_module_goes() {
+    if external("renewals_go_on_through_the_script_when_the_module_goes") {
+        return;
+    }
+    let ttl = Duration::from_millis(600);
+    let server = Server::start(&debuggable());
+    let limiter = limiter(&server, Options::default()).await;
+    let Lease::Held(guard) = limiter.lease("qag:l", 2, ttl, "a").await.unwrap() else {
+        panic!("refused")
+    };
+    let mut con = server.client().get_connection().unwrap();
+    unload_module(&mut con);
+    let score =
+        |con: &mut Connection| -> f64 { cmd("ZSCORE").arg("qag:l").arg("a").query(con).unwrap() };
+    let first = score(&mut con);
+    tokio::time::sleep(ttl * 2).await;
+    assert!(!guard.is_lost(), "{:?}", guard.last_error());
+    assert_eq!(guard.last_error(), None);
+    assert!(score(&mut con) > first + 500.0, "renewed by the script");
+    assert_eq!(limiter.leases("qag:l").await, Ok(1));
+    assert_eq!(guard.release().await, Ok(true));
+    let left: i64 = cmd("EXISTS").arg("qag:l").query(&mut con).unwrap();
+    assert_eq!(left, 0, "the last release deletes the key");
+    assert_eq!(limiter.counts().errors, 0);
 }
 
 #[tokio::test(flavor = "multi_thread")]

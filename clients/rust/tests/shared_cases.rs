@@ -259,3 +259,25 @@ fn refusal_answers() {
         assert_eq!(parsed["request_id"], case["request_id"], "{name}");
     }
 }
+
+/// The calendar periods given to lua/quota.lua: qag-core's, the module's own.
+#[test]
+fn quota_periods() {
+    let cases = cases();
+    for case in cases["quota_periods"].as_array().unwrap() {
+        let per = match case["per"].as_str().unwrap() {
+            "day" => qag_core::quota::Per::Day,
+            _ => qag_core::quota::Per::Month,
+        };
+        let zone = qag_core::quota::zone(case["tz"].as_str().unwrap().as_bytes()).unwrap();
+        let now = case["now"].as_i64().unwrap() * 1_000_000;
+        let period = qag_core::quota::period(per, &zone, now).unwrap();
+        let found = (period.label.as_str(), period.start, period.end);
+        let expected = (
+            case["label"].as_str().unwrap(),
+            case["start"].as_i64().unwrap(),
+            case["end"].as_i64().unwrap(),
+        );
+        assert_eq!(found, expected, "{case}");
+    }
+}

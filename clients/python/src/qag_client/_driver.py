@@ -75,7 +75,7 @@ from ._engine import (
     sort_error,
     waiting_of,
 )
-from ._script import TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA
+from ._script import LEASE_LUA, QUOTA_LUA, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA, WINDOW_LUA
 from .naming import Bucket
 
 log = logging.getLogger("qag_client")
@@ -301,6 +301,9 @@ class Node:
         self.scripts = {
             "bucket": self.client.register_script(TOKEN_BUCKET_LUA),
             "refund": self.client.register_script(TOKEN_REFUND_LUA),
+            "lease": self.client.register_script(LEASE_LUA),
+            "quota": self.client.register_script(QUOTA_LUA),
+            "window": self.client.register_script(WINDOW_LUA),
         }
 
     def sending(
@@ -325,7 +328,7 @@ class Node:
             return pipe.execute, itemgetter(1)
         if isinstance(request, RunScript):
             script = self.scripts[request.script]
-            return partial(script, keys=[request.key], args=list(request.arguments)), _itself
+            return partial(script, keys=list(request.keys), args=list(request.arguments)), _itself
         return partial(client.execute_command, *self.words(request)), _itself
 
     def words(self, request: Request) -> Tuple[Any, ...]:
@@ -333,7 +336,8 @@ class Node:
         as bytes (redis-py has no reply callback for it then: the raw reply)."""
         if isinstance(request, RunScript):
             source = self.scripts[request.script].script
-            return ("EVAL", source, 1, request.key, *request.arguments)
+            keys = request.keys
+            return ("EVAL", source, len(keys), *keys, *request.arguments)
         assert isinstance(request, Command)
         if request.probe:
             return (request.words[0].encode(), *request.words[1:])
@@ -1048,7 +1052,7 @@ class Driver(Generic[LeaseT, ReservationT]):
             except (d.QagUnavailable, d.QagBusy):
                 if node is not None:
                     node.engine.background_failed()
-            except d.QagModuleRequired:  # Redis restarted without it: nothing is held
+            except d.QagModuleRequired:  # the "module" backend, and Redis restarted without it
                 return
             except d.QagError as error:  # no point in trying again
                 if node is not None:
@@ -1125,7 +1129,7 @@ class LeaseGuard:
             if attempt.sent and _interrupted(error):
                 limiter._release_later(self.key, self.id, started, state.ttl_ms)
             raise
-        if attempt.sent and grant.answered_by != "module":
+        if attempt.sent and grant.answered_by not in ("module", "script"):
             # The LEASE met an outage and the policy answered: it may have run.
             limiter._release_later(self.key, self.id, started, state.ttl_ms)
         self.waited = grant.waited
@@ -1240,7 +1244,7 @@ class ReservationGuard(HoldView):
             if state.attempt.sent and _interrupted(error):
                 limiter._commit_later(state, 0, release=True)
             raise
-        if state.attempt.sent and admission.answered_by != "module":
+        if state.attempt.sent and admission.answered_by not in ("module", "script"):
             # The ADMIT met an outage and the policy answered: it may have run.
             limiter._commit_later(state, 0, release=True)
         state.admission = admission
@@ -1271,7 +1275,7 @@ class ReservationGuard(HoldView):
             if state.in_redis and _interrupted(error):
                 limiter._commit_later(state, actual)
             raise
-        if state.in_redis and recorded.answered_by != "module":
+        if state.in_redis and recorded.answered_by not in ("module", "script"):
             limiter._commit_later(state, actual)
         return recorded.scopes
 

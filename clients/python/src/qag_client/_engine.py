@@ -1,4 +1,5 @@
-"""What both limiters decide, free of I/O: which path a call takes (module or script),
+"""What both limiters decide, free of I/O: which path a call takes (the module's command,
+or the family's script on the same keys),
 what to do with each reply or error, and what answers when Redis fails (the policy,
 through ``_policy.Outage``: one place for every family).
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import (
     Any,
     Callable,
@@ -48,7 +49,7 @@ from .decisions import (
     Scope,
     TakenWithQuota,
 )
-from .local import LocalBuckets, LocalState, share_of
+from .local import LocalBuckets, LocalState, period, share_of
 
 BACKENDS = ("auto", "module", "script")
 DEFAULT_WINDOW = 60
@@ -83,9 +84,11 @@ class Command:
 
 @dataclass(frozen=True)
 class RunScript:
-    key: str
+    keys: Tuple[str, ...]
     arguments: Tuple[Any, ...]
-    # "bucket" (lua/token_bucket.lua) or "refund" (lua/token_refund.lua).
+    # "bucket" (lua/token_bucket.lua), "refund" (lua/token_refund.lua), "lease"
+    # (lua/lease.lua), "quota" or "window" (lua/request_ids.lua then lua/quota.lua or
+    # lua/window.lua).
     script: str = "bucket"
 
 
@@ -245,7 +248,9 @@ class HoldState:
     def in_redis(self) -> bool:
         """Tokens are held in Redis under the id."""
         return (
-            self.admission is not None and self.admission.admitted and self.answered_by == "module"
+            self.admission is not None
+            and self.admission.admitted
+            and self.answered_by in ("module", "script")
         )
 
     def open(self, action: str) -> None:
@@ -647,7 +652,7 @@ class Engine:
             except UnknownCommand:
                 self._module_failed()
         try:
-            reply = yield RunScript(call.key, arguments, "refund")
+            reply = yield RunScript((call.key,), arguments, "refund")
         except UnknownCommand as error:
             raise QagServerError(str(error)) from error
         return self._saw_refund(call, call.refunded(reply, "script"))
@@ -805,7 +810,7 @@ class Engine:
 
     def _script(self, call: BucketCall) -> Flow[Decision]:
         try:
-            script = RunScript(call.key, (call.count, call.period_text, call.cost))
+            script = RunScript((call.key,), (call.count, call.period_text, call.cost))
             reply = yield from self._sent(script, True)
         except UnknownCommand as error:
             raise QagServerError(str(error)) from error
@@ -827,47 +832,76 @@ class Engine:
             )
         return refunded
 
-    def module_only(
+    def _family(
+        self, module: Callable[[], Flow[Any]], script: Callable[[], Flow[Any]]
+    ) -> Flow[Tuple[Any, str]]:
+        """A family's call: ``module``'s request where this node has the module (until it
+        answers "unknown command": "auto" goes on with the script, "module" raises
+        QagModuleRequired), else ``script``'s, the family's script on the same keys,
+        which answers the same; the reply and which answered."""
+        if (yield from self.path()) == "module":
+            try:
+                return (yield from module()), "module"
+            except UnknownCommand:
+                self._module_failed()
+        try:
+            return (yield from script()), "script"
+        except UnknownCommand as error:
+            raise QagServerError(str(error)) from error
+
+    def _either(
         self,
         words: List[Any],
+        script: RunScript,
         attempt: Optional[Attempt] = None,
         replayable: bool = False,
         wait: Optional[float] = None,
-    ) -> Flow[Any]:
-        """A command of a family without a script (``replayable``: it ends with its
-        id, only reads, or admits: see ``_sent``; ``wait``: the server may hold it that
-        long, its words end with WAIT)."""
-        if self.backend == "script" or (yield from self.path()) == "script":
-            raise QagModuleRequired("the qag module is required and the server does not have it")
-        try:
-            if attempt is not None:
-                attempt.sent = True
-            command = Command(tuple(words), wait=wait or 0.0)
-            return (yield from self._sent(command, replayable))
-        except UnknownCommand as error:
-            self.note_missing()
-            raise QagModuleRequired(
-                "the qag module is required and the server does not have it"
-            ) from error
+    ) -> Flow[Tuple[Any, str]]:
+        """The module's command ``words``, or ``script`` (``replayable``: it carries an
+        id, only reads, or admits: see ``_sent``); ``attempt`` notes that it was sent;
+        ``wait``: the server may hold the command that long (its words end with WAIT;
+        the script answers at once)."""
 
-    def _spend(self, words: List[Any], keep: Optional[int]) -> Flow[Any]:
-        """A spend call's words, ending with its id; with ``keep`` (the limiter's own id,
+        def sent(request: Request) -> Callable[[], Flow[Any]]:
+            def flow() -> Flow[Any]:
+                if attempt is not None:
+                    attempt.sent = True
+                return (yield from self._sent(request, replayable))
+
+            return flow
+
+        command = Command(tuple(words), wait=wait or 0.0)
+        return (yield from self._family(sent(command), sent(script)))
+
+    def _spend(
+        self, words: List[Any], keep: Optional[int], script: Callable[[str], Flow[Any]]
+    ) -> Flow[Tuple[Any, str]]:
+        """A spend call whose words end with its id: with ``keep`` (the limiter's own id,
         replayed only within the call), ``KEEP keep`` after it, so the key remembers the
         id seconds, not ID-SECONDS. A module older than KEEP refuses it, writing
-        nothing: the call is sent again without, and this server is not asked again."""
-        if keep is None or self.keeps is False:
-            return (yield from self.module_only(words, replayable=True))
-        try:
-            reply = yield from self.module_only(words + ["KEEP", keep], replayable=True)
-        except QagServerError as error:
-            # An older module reads KEEP as a word of the command's own.
-            refused = ("syntax error", "wrong number of arguments", "numscopes does not match")
-            if self.keeps is not None or not any(words in str(error) for words in refused):
-                raise
-            self.keeps = False
-            return (yield from self.module_only(words, replayable=True))
-        self.keeps = True
-        return reply
+        nothing: the call is sent again without, and this server is not asked again.
+        The script's flow (``script``, given the KEEP's text, "" for none) takes it
+        always."""
+
+        def module() -> Flow[Any]:
+            if keep is None or self.keeps is False:
+                return (yield from self._sent(Command(tuple(words)), True))
+            try:
+                reply = yield from self._sent(Command((*words, "KEEP", keep)), True)
+            except QagServerError as error:
+                # An older module reads KEEP as a word of the command's own.
+                refused = ("syntax error", "wrong number of arguments", "numscopes does not match")
+                if self.keeps is not None or not any(words in str(error) for words in refused):
+                    raise
+                self.keeps = False
+                return (yield from self._sent(Command(tuple(words)), True))
+            self.keeps = True
+            return reply
+
+        def by_script() -> Flow[Any]:
+            return (yield from script("" if keep is None else str(keep)))
+
+        return (yield from self._family(module, by_script))
 
     # Leases.
 
@@ -882,7 +916,9 @@ class Engine:
     ) -> Flow[LeaseGrant]:
         def in_redis() -> Flow[LeaseGrant]:
             words = ["QAG.LEASE", key, max_slots, ttl_ms, lease_id, *d.wait_words(wait)]
-            grant = d.lease_grant((yield from self.module_only(words, attempt, wait=wait)))
+            script = RunScript((key,), ("acquire", max_slots, ttl_ms, lease_id), "lease")
+            reply, by = yield from self._either(words, script, attempt, wait=wait)
+            grant = replace(d.lease_grant(reply), answered_by=by)
             with self._lock:
                 self.local.leases.saw(key, grant.live, ttl_ms, self.wall())
             return grant
@@ -908,7 +944,9 @@ class Engine:
 
     def leases(self, key: str) -> Flow[int]:
         def in_redis() -> Flow[int]:
-            return int((yield from self.module_only(["QAG.LEASES", key], replayable=True)))
+            script = RunScript((key,), ("count",), "lease")
+            reply, _ = yield from self._either(["QAG.LEASES", key], script, replayable=True)
+            return int(reply)
 
         return self._routed(
             in_redis(), Fallback(None, lambda state, now, share: state.leases.live(key, share, now))
@@ -939,10 +977,14 @@ class Engine:
         return self._unrouted(self._release(key, lease_id))
 
     def _renew(self, key: str, lease_id: str, ttl_ms: int) -> Flow[bool]:
-        return bool((yield from self.module_only(["QAG.RENEW", key, lease_id, ttl_ms])) == 1)
+        script = RunScript((key,), ("renew", lease_id, ttl_ms), "lease")
+        reply, _ = yield from self._either(["QAG.RENEW", key, lease_id, ttl_ms], script)
+        return bool(reply == 1)
 
     def _release(self, key: str, lease_id: str) -> Flow[bool]:
-        return bool((yield from self.module_only(["QAG.RELEASE", key, lease_id])) == 1)
+        script = RunScript((key,), ("release", lease_id), "lease")
+        reply, _ = yield from self._either(["QAG.RELEASE", key, lease_id], script)
+        return bool(reply == 1)
 
     # Quotas.
 
@@ -951,12 +993,25 @@ class Engine:
 
     def _quota_check(self, key: str, quota: Quota) -> Flow[QuotaDecision]:
         words = d.quota_check_words(key, quota)
-        reply = yield from self.module_only(words, replayable=True)
-        return self._quota_checked(key, quota, reply)
+        calls, rows = quota.calls, quota.rows
+        limits = ("" if calls is None else calls, "" if rows is None else rows)
 
-    def _quota_checked(self, key: str, quota: Quota, reply: Any) -> QuotaDecision:
-        """QAG.QUOTA's reply as a decision, noted as Redis's last word on the quota."""
+        def module() -> Flow[Any]:
+            return (yield from self._sent(Command(tuple(words)), True))
+
+        def by_script() -> Flow[Any]:
+            return (yield from self._quota_script("check", key, quota.per, quota.tz, limits, True))
+
+        reply, by = yield from self._family(module, by_script)
+        return self._quota_checked(key, quota, reply, by)
+
+    def _quota_checked(
+        self, key: str, quota: Quota, reply: Any, answered_by: str = "module"
+    ) -> QuotaDecision:
+        """QAG.QUOTA's reply (or the script's) as a decision, noted as Redis's last word
+        on the quota."""
         decision = d.quota_decision(reply, quota.calls, quota.rows)
+        decision = replace(decision, answered_by=answered_by)
         with self._lock:
             self.local.quotas.saw_check(key, decision)
         return decision
@@ -990,11 +1045,24 @@ class Engine:
         per, tz = quota.per, quota.tz
 
         def in_redis() -> Flow[QuotaUsage]:
+            counts = (calls, rows)
             if request_id is None:
-                reply = yield from self.module_only(words)
+
+                def module() -> Flow[Any]:
+                    return (yield from self._sent(Command(tuple(words)), False))
+
+                def seed() -> Flow[Any]:
+                    return (yield from self._quota_script("seed", key, per, tz, counts, False))
+
+                reply, by = yield from self._family(module, seed)
             else:
-                reply = yield from self._spend(words, keep)
-            usage = d.quota_usage(reply)
+
+                def add(keep_text: str) -> Flow[Any]:
+                    tail = (*counts, request_id, keep_text)
+                    return (yield from self._quota_script("add", key, per, tz, tail, True))
+
+                reply, by = yield from self._spend(words, keep, add)
+            usage = replace(d.quota_usage(reply), answered_by=by)
             with self._lock:
                 self.local.quotas.saw(key, usage.calls, usage.rows, usage.resets_at)
             return usage
@@ -1006,6 +1074,23 @@ class Engine:
 
         return self._routed(in_redis(), Fallback(lambda: QuotaUsage(0, 0, 0, "forwarded"), local))
 
+    def _quota_script(
+        self, op: str, key: str, per: str, tz: str, tail: Tuple[Any, ...], replayable: bool
+    ) -> Flow[Any]:
+        """lua/quota.lua's ``op`` on ``key``, given the calendar period of this process's
+        clock, then ``tail``; where that period is not the server's (a period ended
+        between the two clocks), the script answers the server's clock, and is sent
+        again with that clock's period: the server's, as the module's."""
+        clock = self.wall()
+        for _ in range(PERIOD_TRIES):
+            request = RunScript((key,), (op, *period_arguments(per, tz, clock), *tail), "quota")
+            reply = yield from self._sent(request, replayable)
+            server = server_clock(reply)
+            if server is None:
+                return reply
+            clock = server
+        raise QagServerError("the server's clock left every calendar period it was given")
+
     # Sliding windows.
 
     def admit(
@@ -1014,23 +1099,26 @@ class Engine:
         window: Optional[int],
         request_id: Optional[str],
     ) -> Flow[Admission]:
-        words = list(_with_id(d.admit_words(scopes, window), request_id))
-        return self._admit(_chain(scopes), window, words, None)
+        chain = _chain(scopes)
+        words, script = admit_call(chain, window, 0, None, request_id)
+        return self._admit(chain, window, words, script, None)
 
     def _admit(
         self,
         chain: List[Scope],
         window: Optional[int],
         words: List[Any],
+        script: RunScript,
         hold: Optional[HoldState],
     ) -> Flow[Admission]:
-        """QAG.ADMIT's words with their id (``hold``: a reservation's), or the policy's
-        admission: forwarded, or admitted by the local windows (a reservation's tokens
-        held there, as Redis would hold them)."""
+        """QAG.ADMIT's words with their id (``hold``: a reservation's), or its script, or
+        the policy's admission: forwarded, or admitted by the local windows (a
+        reservation's tokens held there, as Redis would hold them)."""
         attempt = None if hold is None else hold.attempt
 
         def in_redis() -> Flow[Admission]:
-            admission = d.admission((yield from self.module_only(words, attempt, replayable=True)))
+            reply, by = yield from self._either(words, script, attempt, replayable=True)
+            admission = replace(d.admission(reply), answered_by=by)
             with self._lock:
                 self.local.windows.saw(chain, window or DEFAULT_WINDOW, self.wall(), admission)
             return admission
@@ -1055,10 +1143,14 @@ class Engine:
         request_id: str,
         keep: Optional[int] = None,
     ) -> Flow[int]:
-        words = d.record_words(keys, tokens, window) + ["ID", request_id]
+        words, script = record_call(keys, tokens, window, request_id)
+
+        def by_script(keep_text: str) -> Flow[Any]:
+            return (yield from self._sent(script(keep_text), True))
 
         def in_redis() -> Flow[int]:
-            return int((yield from self._spend(words, keep)))
+            reply, _ = yield from self._spend(words, keep, by_script)
+            return int(reply)
 
         def local(state: LocalState, now: float, share: float) -> int:
             return state.windows.record(keys, tokens, window or DEFAULT_WINDOW, now, share)
@@ -1068,22 +1160,27 @@ class Engine:
     # Reservations: QAG.ADMIT ... RESERVE, charged and committed by QAG.RECORD ... ID.
 
     def reserve(self, hold: HoldState) -> Flow[Admission]:
-        words = d.reserve_words(hold.chain, hold.window, hold.tokens, hold.hold_ms)
-        return self._admit(hold.chain, hold.window, words + ["ID", hold.id], hold)
+        words, script = admit_call(hold.chain, hold.window, hold.tokens, hold.hold_ms, hold.id)
+        return self._admit(hold.chain, hold.window, words, script, hold)
 
     def charge(self, hold: HoldState, tokens: int) -> Flow[Recorded]:
         """A partial charge (``ID id PARTIAL``: never a replay, and the commit settles
         however often it ran, so it is sent again after a dropped connection too)."""
-        words = d.record_words(hold.keys, tokens, hold.window) + ["ID", hold.id, "PARTIAL"]
-        return self._hold_record(hold, words, tokens, tokens)
+        words, script = record_call(hold.keys, tokens, hold.window, hold.id, partial=True)
+        return self._hold_record(hold, words, script(""), tokens, tokens)
 
     def commit(self, hold: HoldState, tokens: int) -> Flow[Recorded]:
         """The commit: ``tokens`` is the whole count, partials included."""
-        words = d.record_words(hold.keys, tokens, hold.window) + ["ID", hold.id]
-        return self._hold_record(hold, words, max(tokens - hold.charged, 0), None)
+        words, script = record_call(hold.keys, tokens, hold.window, hold.id)
+        return self._hold_record(hold, words, script(""), max(tokens - hold.charged, 0), None)
 
     def _hold_record(
-        self, hold: HoldState, words: List[Any], unpaid: int, released: Optional[int]
+        self,
+        hold: HoldState,
+        words: List[Any],
+        script: RunScript,
+        unpaid: int,
+        released: Optional[int],
     ) -> Flow[Recorded]:
         """A charge or commit: nothing for a forwarded reservation, the local windows'
         for a local one (its hold shrunk by ``released``, None: ended), else to Redis,
@@ -1101,7 +1198,8 @@ class Engine:
                 return Recorded(recorded, "local")
 
         def in_redis() -> Flow[Recorded]:
-            return Recorded(int((yield from self.module_only(words, replayable=True))), "module")
+            reply, by = yield from self._either(words, script, replayable=True)
+            return Recorded(int(reply), by)
 
         def local(state: LocalState, now: float, share: float) -> Recorded:
             return Recorded(state.windows.record(hold.keys, unpaid, window, now, share), "local")
@@ -1119,8 +1217,8 @@ class Engine:
         """A commit in the background (a guard left without one: what it charged; a
         reserve that may have held tokens and did not return them: 0): always to Redis,
         with the reservation's id."""
-        words = d.record_words(hold.keys, tokens, hold.window) + ["ID", hold.id]
-        return self._unrouted(self._module_only_int(words))
+        words, script = record_call(hold.keys, tokens, hold.window, hold.id)
+        return self._unrouted(self._record_int(words, script("")))
 
     def background_unreserve(self, hold: HoldState, left_ms: int) -> Flow[int]:
         """The release of a reserve that may have held tokens and returned no guard
@@ -1131,16 +1229,86 @@ class Engine:
         would count until it expires). The replay holds for ``left_ms`` at most: on a
         server that lost the first ADMIT it makes a hold of its own, which must not
         outlive the one it stands for."""
-        admit = d.reserve_words(hold.chain, hold.window, hold.tokens, max(left_ms, 1))
-        release = d.record_words(hold.keys, 0, hold.window) + ["ID", hold.id]
-        return self._unrouted(self._admit_then(admit + ["ID", hold.id], release))
+        admit = admit_call(hold.chain, hold.window, hold.tokens, max(left_ms, 1), hold.id)
+        words, script = record_call(hold.keys, 0, hold.window, hold.id)
+        return self._unrouted(self._admit_then(admit, words, script("")))
 
-    def _admit_then(self, admit: List[Any], release: List[Any]) -> Flow[int]:
-        yield from self.module_only(admit, replayable=True)
-        return (yield from self._module_only_int(release))
+    def _admit_then(
+        self, admit: Tuple[List[Any], RunScript], words: List[Any], script: RunScript
+    ) -> Flow[int]:
+        yield from self._either(*admit, replayable=True)
+        return (yield from self._record_int(words, script))
 
-    def _module_only_int(self, words: List[Any]) -> Flow[int]:
-        return int((yield from self.module_only(words, replayable=True)))
+    def _record_int(self, words: List[Any], script: RunScript) -> Flow[int]:
+        reply, _ = yield from self._either(words, script, replayable=True)
+        return int(reply)
+
+
+def admit_call(
+    chain: List[Scope],
+    window: Optional[int],
+    reserve: int,
+    hold_ms: Optional[int],
+    request_id: Optional[str],
+) -> Tuple[List[Any], RunScript]:
+    """QAG.ADMIT's words (``ID request_id`` last; with ``RESERVE reserve [HOLD hold_ms]``
+    when ``reserve`` is above 0), and lua/window.lua's admit of the same."""
+    if reserve > 0:
+        words = d.reserve_words(chain, window, reserve, hold_ms)
+    else:
+        words = d.admit_words(chain, window)
+    limits = [limit for scope in chain for limit in (scope.rpm, scope.tpm)]
+    options = (reserve, "" if hold_ms is None else hold_ms, request_id or "", "")
+    arguments = ("admit", window or DEFAULT_WINDOW, *limits, *options)
+    script = RunScript(tuple(scope.key for scope in chain), arguments, "window")
+    return list(_with_id(words, request_id)), script
+
+
+def record_call(
+    keys: Sequence[str],
+    tokens: int,
+    window: Optional[int],
+    request_id: str,
+    partial: bool = False,
+) -> Tuple[List[Any], Callable[[str], RunScript]]:
+    """QAG.RECORD's words (``ID request_id [PARTIAL]`` last), and lua/window.lua's record
+    of the same, given its KEEP ("" for none)."""
+    words = d.record_words(keys, tokens, window) + ["ID", request_id]
+    if partial:
+        words.append("PARTIAL")
+
+    def script(keep: str) -> RunScript:
+        arguments = (window or DEFAULT_WINDOW, tokens, request_id, keep, "1" if partial else "")
+        return RunScript(tuple(keys), ("record", *arguments), "window")
+
+    return words, script
+
+
+# How often a quota call is sent to the script with the period of the server's clock it
+# answered: once is the rule; a period that ended meanwhile takes one more.
+PERIOD_TRIES = 3
+
+
+def period_arguments(per: str, tz: str, now: float) -> Tuple[Any, ...]:
+    """What lua/quota.lua is given of the calendar for the clock ``now``: the period's
+    label, start and end, and the next period's label and end (counted into when the key
+    holds it), as the module computes them (``local.period``)."""
+    current = period(per, tz, now)
+    following = None if current is None else period(per, tz, current[2])
+    if current is None or following is None:
+        raise QagServerError(
+            "ERR TZ must be a known IANA time zone name, e.g. Europe/Berlin or UTC"
+        )
+    label, start, end = current
+    return (label, start, end, following[0], following[2])
+
+
+def server_clock(reply: Any) -> Optional[float]:
+    """The server's clock (Unix seconds) in the script's answer to a period that is not
+    the server's: ``["period", seconds, microseconds]``; None for any other reply."""
+    if not isinstance(reply, list) or len(reply) != 3 or reply[0] not in (b"period", "period"):
+        return None
+    return int(reply[1]) + int(reply[2]) / 1e6
 
 
 def _waiting(words: Tuple[Any, ...], wait: Optional[float]) -> Command:

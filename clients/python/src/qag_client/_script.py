@@ -1,5 +1,6 @@
-"""The token-bucket scripts, read from the package: the repository's
-lua/token_bucket.lua and lua/token_refund.lua, copied in when the package is built."""
+"""The scripts, read from the package: the repository's lua/ scripts (token_bucket.lua,
+token_refund.lua, lease.lua, and request_ids.lua before each of quota.lua and
+window.lua), copied in when the package is built."""
 
 from importlib import resources
 
@@ -10,3 +11,6 @@ def _packaged(name: str) -> str:
 
 TOKEN_BUCKET_LUA: str = _packaged("token_bucket.lua")
 TOKEN_REFUND_LUA: str = _packaged("token_refund.lua")
+LEASE_LUA: str = _packaged("lease.lua")
+QUOTA_LUA: str = _packaged("request_ids.lua") + _packaged("quota.lua")
+WINDOW_LUA: str = _packaged("request_ids.lua") + _packaged("window.lua")

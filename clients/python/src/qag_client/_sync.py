@@ -227,8 +227,8 @@ def _blocking(
 class Limiter(driver.Driver["Lease", "Reservation"]):
     """Rate limiting over a ``redis.Redis`` or ``redis.cluster.RedisCluster`` client.
 
-    ``backend``: "auto" (the module where the server has it, else the script),
-    "module" or "script". ``deadline``: seconds a call may take, connecting and
+    ``backend``: "auto" (the module where the server has it, else every family's
+    script on the same keys), "module" or "script". ``deadline``: seconds a call may take, connecting and
     waiting for a free connection included. ``on_unavailable``: what a call answers
     when Redis fails, and for ``back_off`` seconds after without touching Redis:
     "raise" (QagUnavailable), "forward" (answers "not counted, forwarded") or "local"

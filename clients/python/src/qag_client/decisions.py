@@ -51,8 +51,8 @@ class QagPermissionError(QagError):
 
 
 class QagModuleRequired(QagError):
-    """The call needs the module (backend "module", or a command without a script
-    fallback) and the server does not have it."""
+    """The backend is "module" and the server does not have the module (with "auto"
+    and "script", every family's script answers instead)."""
 
 
 class QagServerError(QagError):

@@ -190,22 +190,36 @@ class LocalLeases:
         self._held.clear()
 
 
-def period_end(per: str, tz: str, now: float) -> int:
-    """The end of the day or month that holds ``now`` in zone ``tz``, in Unix seconds
-    (0 where this machine has no such zone): for a quota this process never saw."""
+def period(per: str, tz: str, now: float) -> Optional[Tuple[str, int, int]]:
+    """The day or month that holds ``now`` in zone ``tz``, as the module computes it
+    (core/src/quota.rs): its label (``2026-11-29``, ``2026-11``), start and end in Unix
+    seconds, a day beginning at its first instant (midnight, or the end of a
+    daylight-saving gap at midnight); None where this machine has no such zone (the
+    zone database is the system's, or the tzdata package's)."""
     try:
         from zoneinfo import ZoneInfo
 
         zone = ZoneInfo(tz)
-    except Exception:  # an unknown zone, or no zone database here
-        return 0
-    local = datetime.fromtimestamp(now, zone)
+        local = datetime.fromtimestamp(now, zone)
+    except Exception:  # an unknown zone, no zone database here, a clock out of range
+        return None
     if per == "day":
-        start = datetime(local.year, local.month, local.day) + timedelta(days=1)
+        first = datetime(local.year, local.month, local.day)
+        label = f"{local.year:04}-{local.month:02}-{local.day:02}"
+        after = first + timedelta(days=1)
     else:
-        days = calendar.monthrange(local.year, local.month)[1]
-        start = datetime(local.year, local.month, 1) + timedelta(days=days)
-    return int(start.replace(tzinfo=zone).timestamp())
+        first = datetime(local.year, local.month, 1)
+        label = f"{local.year:04}-{local.month:02}"
+        after = first + timedelta(days=calendar.monthrange(local.year, local.month)[1])
+    start, end = (int(day.replace(tzinfo=zone).timestamp()) for day in (first, after))
+    return label, start, end
+
+
+def period_end(per: str, tz: str, now: float) -> int:
+    """The end of the day or month that holds ``now`` in zone ``tz``, in Unix seconds
+    (0 where this machine has no such zone): for a quota this process never saw."""
+    found = period(per, tz, now)
+    return 0 if found is None else found[2]
 
 
 @dataclass

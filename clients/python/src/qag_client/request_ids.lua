@@ -1,0 +1,1 @@
+../../../../lua/request_ids.lua
