@@ -12,8 +12,8 @@
 local ID_MILLIS = 300 * 1000
 local ID_MAX = 1000
 -- The most fields a key holds besides its ids; a key looks through its ids at least once
--- in this many calls that remember one.
-local OWN_FIELDS_MOST, LOOK_EVERY_MIN = 16, 32
+-- in LOOK_EVERY_MIN calls that remember one, and once in its fields over LOOK_SHARE.
+local OWN_FIELDS_MOST, LOOK_EVERY_MIN, LOOK_SHARE = 16, 32, 4
 
 -- a / b rounded down, for whole numbers below 2^53 (b > 0), exactly.
 local function idiv(a, b)
@@ -447,11 +447,12 @@ end
 
 -- Remembers `answer` (and the reservation `hold`) under the id's `field` in `key` until
 -- `keep` ms from now, or the hold's end when later (`RequestId::remember_holding`),
--- looking through the key's ids first about once in as many calls as it has fields:
+-- looking through the key's ids first about once in a quarter as many calls as it has
+-- fields (`replay::looks_through`):
 -- the field's value to write with the call's own, and how long the key must be kept.
 local function remember(key, field, answer, hold, now_millis, trusted_until, keep)
   local fields = redis.call('HLEN', key)
-  local every = math.max(LOOK_EVERY_MIN, fields)
+  local every = math.max(LOOK_EVERY_MIN, idiv(fields, LOOK_SHARE))
   if fields > ID_MAX + OWN_FIELDS_MOST or picked(field, now_millis, every) then
     forget_ids(key, now_millis, trusted_until)
   end

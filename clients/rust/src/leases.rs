@@ -391,8 +391,8 @@ where
                         maybe_held.store(false, Ordering::Release);
                     }
                     return Err(error);
-                    }
-                };
+                }
+            };
             maybe_held.store(false, Ordering::Release);
             let (reply, waited) = match reply[..] {
                 [acquired, live, retry, waited] => ([acquired, live, retry], waited),

@@ -116,7 +116,8 @@ impl<'a> QuotaCheck<'a> {
 
     /// The limits as lua/quota.lua takes them: each a number, or "" for none.
     fn script_limits(&self) -> [String; 2] {
-        [self.quota.calls, self.quota.rows].map(|limit| limit.map_or(String::new(), |l| l.to_string()))
+        [self.quota.calls, self.quota.rows]
+            .map(|limit| limit.map_or(String::new(), |l| l.to_string()))
     }
 
     /// The check when Redis is left alone: allowed with nothing known (forwarded), or
