@@ -51,11 +51,12 @@ python_suites 2>&1 | sed -u 's/^/[python] /' &
 wait $rust
 wait $!
 
-# The tests that keep every core busy on purpose (a gateway loaded by its own work,
-# never read as an outage) run alone: beside the other suites, the server itself would
-# be starved and their verdicts would be the machine's, not the clients'.
+# The tests that load the machine on purpose (a gateway's own load never read as an
+# outage; hundreds of requests at once within every limit) run alone: beside the other
+# suites the server itself would be starved, and their verdicts would be the machine's,
+# not the clients'.
 alone() {
-  echo "== tests that keep every core busy, alone, on $1"
+  echo "== tests that load the machine, alone, on $1"
   cargo test --package qag-client --features qag-client/tower --test outages \
     -- --ignored --exact the_gateways_own_load_is_no_outage || echo "$1 (cores, rust)" >>"$results/failed"
   "$python" -m pytest -q -m cores clients/python/tests || echo "$1 (cores, python)" >>"$results/failed"
@@ -66,7 +67,7 @@ else
   while read -r name path; do
     REDIS_SERVER=$path alone "$name"
   done < <(scripts/servers.sh)
-  echo "== tests that keep every core busy, alone, with redis-py 5.0.8 on redis-7.0"
+  echo "== tests that load the machine, alone, with redis-py 5.0.8 on redis-7.0"
   "$python_oldest" -m pytest -q -m cores clients/python/tests || echo "redis-py 5.0.8 (cores)" >>"$results/failed"
 fi
 

@@ -1147,8 +1147,11 @@ fn ids_are_forgotten_alike(family: Family, call: fn(&str) -> Step) {
             run.step(fill(i * 1000), 0);
         }
     }
+    // About ten expected; which calls look is a hash of the id and the time, and a rerun
+    // of a step on a slow server shifts the time, so the count only tells the rule
+    // (one in 32 would look about 31 times); the lockstep tells module and script agree.
     assert!(
-        (4..=20).contains(&looks),
+        (1..=24).contains(&looks),
         "{looks} calls of 1,000 looked through a key of 400 fields"
     );
 }

@@ -654,10 +654,11 @@ def test_a_request_waits_for_its_turn_instead_of_a_429(
     response = httpx.get(url, timeout=10)
     took = time.monotonic() - started
     assert response.status_code == 200
-    assert 0.4 <= took < 0.9, took
+    # Its token comes half a second after the first of the two (less what the two took).
+    assert 0.15 <= took < 0.9, took
     timing_field = response.headers["server-timing"]
     assert timing_field.startswith("qag-wait;dur="), timing_field
-    assert 400 <= int(timing_field.removeprefix("qag-wait;dur=")) < 900
+    assert 150 <= int(timing_field.removeprefix("qag-wait;dur=")) < 900
     short = start_gateway(server, "--key-limit", "2/1", "--wait", "100")
     plain = start_gateway(server, "--key-limit", "2/1")
     urls = short.url("key=acme~short"), plain.url("key=acme~plain")
@@ -675,6 +676,7 @@ def test_a_request_waits_for_its_turn_instead_of_a_429(
     assert without_request_id(body) == without_request_id(plain_body)
 
 
+@pytest.mark.cores
 @pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
 def test_two_hundred_requests_at_once_stay_within_every_limit(
     start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool

@@ -728,7 +728,11 @@ def test_local_reservations_fit_exactly_and_leave_nothing_held_in_redis(
 
     async def scenario() -> List[int]:
         limiter = AsyncLimiter(
-            server.async_client(), deadline=0.3, back_off=30.0, on_unavailable="local"
+            server.async_client(),
+            deadline=0.3,
+            back_off=30.0,
+            on_unavailable="local",
+            queue_timeout=10.0,  # 64 calls at once on a loaded machine: none QagBusy
         )
         assert (await limiter.admit(scopes)).admitted  # connected, the module found
         stop(server)

@@ -609,8 +609,9 @@ async fn local_reservations_fit_exactly_and_leave_nothing_held_in_redis() {
             .filter(|(name, _)| name.starts_with("req:"))
             .map(|(_, count)| count.parse::<i64>().unwrap())
             .sum();
-        // 1 admitted before the stop, then 10 of the 64 that reached it.
-        if requests == 11 && held == 0 {
+        // 1 admitted before the stop, then at least 10 of the 64 that reached it (more
+        // where a release ran before another of the queued ADMITs).
+        if requests >= 11 && held == 0 {
             break;
         }
         assert!(

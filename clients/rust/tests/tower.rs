@@ -930,7 +930,7 @@ async fn a_request_waits_for_its_turn_instead_of_a_429() {
     let took = started.elapsed();
     assert_eq!(status, 200, "{fields:?}");
     assert!(
-        took >= Duration::from_millis(400) && took < Duration::from_millis(900),
+        took >= Duration::from_millis(150) && took < Duration::from_millis(900),
         "{took:?}"
     );
     let timing = fields
@@ -938,7 +938,8 @@ async fn a_request_waits_for_its_turn_instead_of_a_429() {
         .find_map(|f| f.strip_prefix("server-timing=qag-wait;dur="))
         .unwrap_or_else(|| panic!("no server-timing: {fields:?}"));
     let waited: u64 = timing.parse().unwrap();
-    assert!((400..900).contains(&waited), "{waited}");
+    // Its token comes half a second after the first of the two (less what the two took).
+    assert!((150..900).contains(&waited), "{waited}");
     // A wait that cannot fit: the 429 at once, as a gateway without waits answers it.
     let short = Gateway::start(&server, &["--key-limit", "2/1", "--wait", "100"]);
     let plain = Gateway::start(&server, &["--key-limit", "2/1"]);
