@@ -801,7 +801,9 @@ pub fn signal(which: &str, pid: u32) {
 /// Rust client's, the Python client's): a test that keeps every core busy on purpose
 /// holds them alone, a test that measures how soon the server answers holds them shared,
 /// so the two never run at once. A lock on one file of the temporary directory (the
-/// Python suite's `cores` fixture takes the same), released when dropped.
+/// Python suite's `cores` fixture takes the same), released when dropped. A cluster
+/// failing over holds them alone too: its nodes must answer each other within their
+/// timeout.
 pub struct Cores(std::fs::File);
 
 impl Cores {

@@ -262,6 +262,14 @@ def timing() -> Iterator[None]:
 
 
 @pytest.fixture
+def failing_over() -> Iterator[None]:
+    """For a test that fails a cluster's primary: its nodes must answer each other within
+    their timeout, so no other failover (the Rust suite's too) runs meanwhile."""
+    with cores(exclusive=True):
+        yield
+
+
+@pytest.fixture
 def temp_directory() -> Iterator[Path]:
     directory = Path(tempfile.mkdtemp(prefix="qag-py-data-"))
     yield directory

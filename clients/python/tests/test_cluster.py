@@ -314,6 +314,7 @@ def port_of_slot(nodes: List[Server], owners: Dict[int, int], tag: str) -> int:
 @pytest.mark.parametrize("failure", ["kill", "stop"])
 @pytest.mark.parametrize("policy", ["raise", "forward", "local"])
 def test_a_failed_primary_touches_no_other_shard(
+    failing_over: None,
     start_cluster: Callable[..., List[Server]],
     cluster_limiter: Callable[..., Any],
     stop: Callable[[Server], None],
@@ -322,8 +323,10 @@ def test_a_failed_primary_touches_no_other_shard(
 ) -> None:
     # A failed primary takes the whole cluster down (CLUSTERDOWN on every node) unless
     # it may serve without full coverage.
+    # A node timeout of 2 s: with 1 s, nodes starved by the other suites took healthy
+    # nodes for failed (CLUSTERDOWN on healthy shards, no failover within 7 s).
     nodes = start_cluster(
-        replicas=1, node_timeout=1000, extra=["--cluster-require-full-coverage", "no"]
+        replicas=1, node_timeout=2000, extra=["--cluster-require-full-coverage", "no"]
     )
     # A deadline generous enough for a healthy shard's calls on a loaded machine (the
     # suites run side by side): what is tested is that they never fail.
@@ -335,7 +338,7 @@ def test_a_failed_primary_touches_no_other_shard(
         else:
             stop(node)
 
-    answered, allowed, back_at = shard_load(nodes, limiter, fail, 7.0)
+    answered, allowed, back_at = shard_load(nodes, limiter, fail, 10.0)
     healthy, failed = answered["healthy"], answered["failed"]
     by_redis = {tag: n for tag, n in allowed.items() if not tag.startswith("local ")}
     locally = max([n for tag, n in allowed.items() if tag.startswith("local ")] or [0])
@@ -349,8 +352,8 @@ def test_a_failed_primary_touches_no_other_shard(
     # replica took over, then the module again.
     by_policy = {"raise": "QagUnavailable", "forward": "forwarded", "local": "local"}[policy]
     assert set(failed) <= {"module", by_policy}, failed
-    assert failed[by_policy] > 0 and back_at < 5.0, (failed, back_at)
-    # 20 a minute: over 7 s a bucket refills 20 × 7 / 60 < 3 tokens.
+    assert failed[by_policy] > 0 and back_at < 9.0, (failed, back_at)
+    # 20 a minute: over 10 s a bucket refills 20 × 10 / 60 < 4 tokens.
     assert max(by_redis.values()) <= 20 + 3, allowed
 
 

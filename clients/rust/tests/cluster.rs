@@ -467,9 +467,12 @@ async fn shard_load<C: ConnectionLike + Clone + Send + Sync + 'static>(
 }
 
 async fn failed_primary(stop: bool, policy: OnUnavailable) {
+    let _alone = Cores::exclusive();
+    // A node timeout of 2 s: with 1 s, nodes starved by the other suites took healthy
+    // nodes for failed (no failover within 7 s, CLUSTERDOWN on healthy shards).
     let mut nodes = start_cluster_of(&ClusterOptions {
         replicas: true,
-        node_timeout_ms: 1000,
+        node_timeout_ms: 2000,
         // A failed primary takes the whole cluster down (CLUSTERDOWN on every node)
         // unless it may serve without full coverage.
         extra: ["--cluster-require-full-coverage", "no"]
@@ -493,7 +496,7 @@ async fn failed_primary(stop: bool, policy: OnUnavailable) {
         // SAFETY: a signal to a server process this test started.
         unsafe { libc::kill(node.pid() as i32, signal) };
     };
-    let load = shard_load(&mut nodes, &limiter, fail, 7).await;
+    let load = shard_load(&mut nodes, &limiter, fail, 10).await;
     let what = if stop { "stop" } else { "kill" };
     eprintln!(
         "{what} {policy:?}: healthy {:?} failed {:?} back after {:?} slowest {:?}",
@@ -546,15 +549,16 @@ async fn failed_primary(stop: bool, policy: OnUnavailable) {
         "{:?}",
         load.failed
     );
-    // The failed primary's replica serves within 5 s, killed or stopped: the limiter
-    // routes by the slot table it reads again after the failure.
+    // The failed primary's replica serves within 9 s (about two node timeouts and an
+    // election: 4 to 5 s measured), killed or stopped: the limiter routes by the slot table it reads again
+    // after the failure.
     assert!(
         load.back_after
-            .is_some_and(|after| after < Duration::from_secs(5)),
+            .is_some_and(|after| after < Duration::from_secs(9)),
         "{:?}",
         load.back_after
     );
-    // 20 a minute: over 7 s a bucket refills 20 × 7 / 60 < 3 tokens.
+    // 20 a minute: over 10 s a bucket refills 20 × 10 / 60 < 4 tokens.
     assert!(load.most_allowed <= 23, "{}", load.most_allowed);
     // The deadline held (and a redirected call's time too).
     assert!(load.slowest < deadline * 2, "{:?}", load.slowest);
