@@ -16,40 +16,61 @@ cargo test --package qag-core
 python=$(scripts/python-env.sh)
 python_oldest=$(scripts/python-env.sh redis==5.0.8)
 
-# The Rust suites (the module's and qag-client's) and the Python client's run side by
-# side, each server after server: most of their time is spent waiting (failovers,
-# expiries), not computing. Each line of output says which suite printed it.
+# The suites, one job a server: the Rust suites (the module's and qag-client's) and the
+# Python client's (with the newest redis-py on each server, and with the oldest it
+# supports, 5.0.8, on Redis 7.0). Most of their time is spent waiting (failovers,
+# expiries), not computing: two jobs at once leave the cores idle two thirds of the time,
+# so QAG_TEST_JOBS (default 3) run at once, the longest first. Each line of output says
+# which job printed it. Tests that time the server or load it on purpose coordinate across
+# jobs through the cores' lock (tests/common/mod.rs, Cores).
 cargo test --no-run --package qag --package qag-client --features qag-client/tower --tests
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
-rust_suites() {
+run_job() { # kind name server
+  case $1 in
+  rust)
+    if [ -n "${QAG_REDIS_URL:-}" ]; then
+      echo "== integration tests against $QAG_REDIS_URL"
+    else
+      echo "== integration tests on $2 ($("$3" --version | cut -d' ' -f1-3))"
+    fi
+    REDIS_SERVER=$3 cargo test --no-fail-fast --package qag --package qag-client \
+      --features qag-client/tower --tests -- --show-output
+    ;;
+  python)
+    echo "== the Python client on $2"
+    REDIS_SERVER=$3 "$python" -m pytest -q -m "not cores" clients/python/tests
+    ;;
+  python-oldest)
+    echo "== the Python client with the oldest redis-py it supports (5.0.8), on $2"
+    REDIS_SERVER=$3 "$python_oldest" -m pytest -q -m "not cores" clients/python/tests
+    ;;
+  esac
+}
+jobs_list() { # the Python runs first: they take longest
   if [ -n "${QAG_REDIS_URL:-}" ]; then
-    echo "== integration tests against $QAG_REDIS_URL"
-    cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || echo "$QAG_REDIS_URL" >>"$results/failed"
+    echo "python $QAG_REDIS_URL redis-server"
+    echo "rust $QAG_REDIS_URL redis-server"
     return
   fi
-  while read -r name path; do
-    echo "== integration tests on $name ($("$path" --version | cut -d' ' -f1-3))"
-    REDIS_SERVER=$path cargo test --no-fail-fast --package qag --package qag-client --features qag-client/tower --tests -- --show-output || echo "$name" >>"$results/failed"
-  done < <(scripts/servers.sh)
+  local servers first
+  servers=$(scripts/servers.sh)
+  first=$(head -n1 <<<"$servers")
+  echo "python-oldest $first"
+  while read -r name path; do echo "python $name $path"; done <<<"$servers"
+  while read -r name path; do echo "rust $name $path"; done <<<"$servers"
 }
-python_suites() {
-  if [ -n "${QAG_REDIS_URL:-}" ]; then
-    "$python" -m pytest -q -m "not cores" clients/python/tests || echo "$QAG_REDIS_URL (python)" >>"$results/failed"
-    return
+running=0
+while read -r kind name path; do
+  if [ "$running" -ge "${QAG_TEST_JOBS:-3}" ]; then
+    wait -n || true
+    running=$((running - 1))
   fi
-  while read -r name path; do
-    echo "== the Python client on $name"
-    REDIS_SERVER=$path "$python" -m pytest -q -m "not cores" clients/python/tests || echo "$name (python)" >>"$results/failed"
-  done < <(scripts/servers.sh)
-  echo "== the Python client with the oldest redis-py it supports (5.0.8), on redis-7.0"
-  "$python_oldest" -m pytest -q -m "not cores" clients/python/tests || echo "redis-py 5.0.8" >>"$results/failed"
-}
-rust_suites 2>&1 | sed -u 's/^/[rust] /' &
-rust=$!
-python_suites 2>&1 | sed -u 's/^/[python] /' &
-wait $rust
-wait $!
+  { run_job "$kind" "$name" "$path" || echo "$name ($kind)" >>"$results/failed"; } 2>&1 |
+    sed -u "s/^/[$kind $name] /" &
+  running=$((running + 1))
+done < <(jobs_list)
+wait
 
 # The tests that load the machine on purpose (a gateway's own load never read as an
 # outage; hundreds of requests at once within every limit) run alone: beside the other
