@@ -2,7 +2,9 @@
 # Installs what the tests need, builds the module, runs the unit tests once and the
 # integration tests of the module, of the Rust client (qag-client) and of the Python
 # client (qag_client, in .venv) on each server: Redis 7.0, Redis 8.2, Valkey 8.1 and
-# Valkey 9.1 (scripts/servers.sh).
+# Valkey 9.1 (scripts/servers.sh); beside them, the module in containers
+# (scripts/docker-test.sh: its images, their safe defaults, the suite against each,
+# the topologies), where a Docker engine runs.
 # With QAG_REDIS_URL set, the integration tests run once against that server instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +20,7 @@ python_oldest=$(scripts/python-env.sh redis==5.0.8)
 
 # The suites, one job a server: the Rust suites (the module's and qag-client's) and the
 # Python client's (with the newest redis-py on each server, and with the oldest it
-# supports, 5.0.8, on Redis 7.0). Most of their time is spent waiting (failovers,
+# supports, 5.0.8, on Redis 7.0), and the containers' (scripts/docker-test.sh). Most of their time is spent waiting (failovers,
 # expiries), not computing: two jobs at once leave the cores idle two thirds of the time,
 # so QAG_TEST_JOBS (default 3) run at once, the longest first. Each line of output says
 # which job printed it. Tests that time the server or load it on purpose coordinate across
@@ -45,9 +47,12 @@ run_job() { # kind name server
     echo "== the Python client with the oldest redis-py it supports (5.0.8), on $2"
     REDIS_SERVER=$3 "$python_oldest" -m pytest -q -m "not cores" clients/python/tests
     ;;
+  docker)
+    scripts/docker-test.sh
+    ;;
   esac
 }
-jobs_list() { # the Python runs first: they take longest
+jobs_list() { # the longest first
   if [ -n "${QAG_REDIS_URL:-}" ]; then
     echo "python $QAG_REDIS_URL redis-server"
     echo "rust $QAG_REDIS_URL redis-server"
@@ -56,6 +61,7 @@ jobs_list() { # the Python runs first: they take longest
   local servers first
   servers=$(scripts/servers.sh)
   first=$(head -n1 <<<"$servers")
+  echo "docker containers"
   echo "python-oldest $first"
   while read -r name path; do echo "python $name $path"; done <<<"$servers"
   while read -r name path; do echo "rust $name $path"; done <<<"$servers"
