@@ -22,8 +22,8 @@ python_oldest=$(scripts/python-env.sh redis==5.0.8)
 # Python client's (with the newest redis-py on each server, and with the oldest it
 # supports, 5.0.8, on Redis 7.0), and the containers' (scripts/docker-test.sh). Most of
 # their time is spent waiting (failovers, expiries), not computing: two jobs at once left
-# the cores idle two thirds of the time, three still 65 %, so QAG_TEST_JOBS (default 4)
-# run at once. Each line of output says which job printed it. Tests that time the server
+# the cores idle two thirds of the time, so QAG_TEST_JOBS (default 3) run at once (four
+# kept them busy for minutes at a time: tests that time the server failed). Each line of output says which job printed it. Tests that time the server
 # or load it on purpose coordinate across jobs through the cores' lock
 # (tests/common/mod.rs, Cores).
 cargo test --no-run --package qag --package qag-client --features qag-client/tower --tests
@@ -74,7 +74,7 @@ jobs_list() { # the longest first, roughly
 }
 running=0
 while read -r kind name path; do
-  if [ "$running" -ge "${QAG_TEST_JOBS:-4}" ]; then
+  if [ "$running" -ge "${QAG_TEST_JOBS:-3}" ]; then
     wait -n || true
     running=$((running - 1))
   fi
