@@ -23,9 +23,9 @@ python_oldest=$(scripts/python-env.sh redis==5.0.8)
 # supports, 5.0.8, on Redis 7.0), and the containers' (scripts/docker-test.sh). Most of
 # their time is spent waiting (failovers, expiries), not computing: two jobs at once left
 # the cores idle two thirds of the time, so QAG_TEST_JOBS (default 3) run at once (four
-# kept them busy for minutes at a time: tests that time the server failed). Each line of output says which job printed it. Tests that time the server
-# or load it on purpose coordinate across jobs through the cores' lock
-# (tests/common/mod.rs, Cores).
+# kept them busy for minutes at a time: tests that time the server failed). Each line of
+# output says which job printed it. Tests that time the server or load it on purpose
+# coordinate across jobs through the cores' lock (tests/common/mod.rs, Cores).
 cargo test --no-run --package qag --package qag-client --features qag-client/tower --tests
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
@@ -55,8 +55,9 @@ run_job() { # kind name server
 }
 jobs_list() { # the longest first, roughly
   if [ -n "${QAG_REDIS_URL:-}" ]; then
-    echo "python $QAG_REDIS_URL redis-server"
-    echo "rust $QAG_REDIS_URL redis-server"
+    # Named by the variable, not its value: a URL's password stays out of every line.
+    echo "python QAG_REDIS_URL redis-server"
+    echo "rust QAG_REDIS_URL redis-server"
     return
   fi
   local servers first
@@ -79,7 +80,7 @@ while read -r kind name path; do
     running=$((running - 1))
   fi
   { run_job "$kind" "$name" "$path" || echo "$name ($kind)" >>"$results/failed"; } 2>&1 |
-    sed -u "s/^/[$kind $name] /" &
+    awk -v prefix="[$kind $name] " '{ print prefix $0; fflush() }' &
   running=$((running + 1))
 done < <(jobs_list)
 wait

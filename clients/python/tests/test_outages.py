@@ -48,8 +48,7 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="deadline"):
         strict.take(Bucket("qag:strict", 5, 3600))
-    # Bounded by the queue time (the deadline); late by at most a loaded loop's wake-up.
-    assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.5
+    assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.1
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="backing off"):
         strict.take(Bucket("qag:strict", 5, 3600))
@@ -245,8 +244,7 @@ def test_a_busy_pool_is_back_pressure_not_an_outage(
     started = time.monotonic()
     with pytest.raises(QagBusy, match="pool of 1"):
         limiter.take(Bucket("qag:k", 5, 3600))
-    # Bounded by the queue time (the deadline); late by at most a loaded loop's wake-up.
-    assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.5
+    assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.1
     assert not limiter.backing_off and limiter.counts.local == 0 and limiter.counts.errors == 1
     give_back_a_connection(limiter)
     decision = limiter.take(Bucket("qag:k", 5, 3600))
