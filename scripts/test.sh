@@ -33,7 +33,7 @@ run_job() { # kind name server
   case $1 in
   rust)
     if [ -n "${QAG_REDIS_URL:-}" ]; then
-      echo "== integration tests against $QAG_REDIS_URL"
+      echo "== integration tests against the server at QAG_REDIS_URL"
     else
       echo "== integration tests on $2 ($("$3" --version | cut -d' ' -f1-3))"
     fi
@@ -79,8 +79,8 @@ while read -r kind name path; do
     wait -n || true
     running=$((running - 1))
   fi
-  { run_job "$kind" "$name" "$path" || echo "$name ($kind)" >>"$results/failed"; } 2>&1 |
-    awk -v prefix="[$kind $name] " '{ print prefix $0; fflush() }' &
+  { run_job "$kind" "$name" "$path" || echo "$kind $name" >>"$results/failed"; } 2>&1 |
+    tee "$results/$kind-$name.log" | awk -v prefix="[$kind $name] " '{ print prefix $0; fflush() }' &
   running=$((running + 1))
 done < <(jobs_list)
 wait
@@ -92,20 +92,35 @@ wait
 alone() {
   echo "== tests that load the machine, alone, on $1"
   cargo test --package qag-client --features qag-client/tower --test outages \
-    -- --ignored --exact the_gateways_own_load_is_no_outage || echo "$1 (cores, rust)" >>"$results/failed"
-  "$python" -m pytest -q -m cores clients/python/tests || echo "$1 (cores, python)" >>"$results/failed"
+    -- --ignored --exact the_gateways_own_load_is_no_outage || echo "rust-alone $1" >>"$results/failed"
+  "$python" -m pytest -q -m cores clients/python/tests || echo "python-alone $1" >>"$results/failed"
 }
 if [ -n "${QAG_REDIS_URL:-}" ]; then
-  alone "$QAG_REDIS_URL"
+  alone QAG_REDIS_URL
 else
   while read -r name path; do
     REDIS_SERVER=$path alone "$name"
   done < <(scripts/servers.sh)
   echo "== tests that load the machine, alone, with redis-py 5.0.8 on redis-7.0"
-  "$python_oldest" -m pytest -q -m cores clients/python/tests || echo "redis-py 5.0.8 (cores)" >>"$results/failed"
+  "$python_oldest" -m pytest -q -m cores clients/python/tests || echo "python-oldest-alone redis-7.0" >>"$results/failed"
 fi
 
+# What failed, again at the end: a CI log is often read from its tail, and the pool's
+# lines are interleaved.
+what_failed() { # kind log
+  case $1 in
+  python | python-oldest) sed -n '/short test summary info/,$p' "$2" ;;
+  rust) sed -n '/^failures:$/,/^test result: FAILED/p' "$2" ;;
+  *) tail -n 40 "$2" ;;
+  esac | head -n 300
+}
 if [ -s "$results/failed" ]; then
+  while read -r kind name; do
+    if [ -f "$results/$kind-$name.log" ]; then
+      echo "== what failed in $kind on $name"
+      what_failed "$kind" "$results/$kind-$name.log"
+    fi
+  done <"$results/failed"
   echo "test: FAILED on $(paste -sd, "$results/failed")" >&2
   exit 1
 fi

@@ -22,6 +22,9 @@ from conftest import Blocking, Server, cores
 from qag_client import AsyncLimiter, Bucket, Decision, QagBusy, QagUnavailable, Quota
 
 DEADLINE = 0.3
+# A call bounded by one deadline ends within it, late by at most a wake-up on a machine
+# that runs other suites beside this one, and before a second deadline could have passed.
+WITHIN_ONE_DEADLINE = DEADLINE * 1.8
 BACK_OFF = 2.0
 STOPPED_FOR = 4.0
 FAST = 0.005
@@ -48,7 +51,7 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="deadline"):
         strict.take(Bucket("qag:strict", 5, 3600))
-    assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.1
+    assert DEADLINE - 0.01 <= time.monotonic() - started < WITHIN_ONE_DEADLINE
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="backing off"):
         strict.take(Bucket("qag:strict", 5, 3600))
@@ -235,7 +238,7 @@ def give_back_a_connection(limiter: Any) -> None:
 
 
 def test_a_busy_pool_is_back_pressure_not_an_outage(
-    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any], timing: None
 ) -> None:
     server = start_server()
     limiter = make_limiter(server, deadline=DEADLINE, on_unavailable="local", max_connections=1)
@@ -244,7 +247,7 @@ def test_a_busy_pool_is_back_pressure_not_an_outage(
     started = time.monotonic()
     with pytest.raises(QagBusy, match="pool of 1"):
         limiter.take(Bucket("qag:k", 5, 3600))
-    assert DEADLINE - 0.01 <= time.monotonic() - started < DEADLINE + 0.1
+    assert DEADLINE - 0.01 <= time.monotonic() - started < WITHIN_ONE_DEADLINE
     assert not limiter.backing_off and limiter.counts.local == 0 and limiter.counts.errors == 1
     give_back_a_connection(limiter)
     decision = limiter.take(Bucket("qag:k", 5, 3600))
