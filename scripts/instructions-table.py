@@ -65,6 +65,8 @@ def main():
     targets.append(("QAG.TAKE / HSET of two fields, existing keys", ("QAG.TAKE", "existing"),
                     ("HSET (2 fields)", "existing"), 2.2))
     for script, module in (("EVALSHA token_bucket.lua", "QAG.TAKE"),
+                           ("EVALSHA token_bucket.lua (2 keys)", "QAG.TAKE2"),
+                           ("EVALSHA token_bucket.lua ID", "QAG.TAKE ID"),
                            ("EVALSHA lease.lua acquire + release", "QAG.LEASE + QAG.RELEASE"),
                            ("EVALSHA lease.lua renew", "QAG.RENEW"),
                            ("EVALSHA quota.lua check", "QAG.QUOTA"),

@@ -108,6 +108,8 @@ def quota_add_kept(k, i):
 # The family scripts' rows: each call as its module row's, on the same keys.
 SCRIPTS = {
     "token_bucket.lua": ["token_bucket.lua"],
+    # As the clients send it for a call with a request id.
+    "token_bucket_ids.lua": ["request_ids.lua", "bucket_ids.lua", "token_bucket.lua"],
     "lease.lua": ["lease.lua"],
     "quota.lua": ["request_ids.lua", "quota.lua"],
     "window.lua": ["request_ids.lua", "window.lua"],
@@ -148,7 +150,19 @@ def script_rows(shas):
     def quota(k, op, count):
         return [["EVALSHA", quota_sha, 1, "q:%d" % k, op] + period + [count, "", "", ""]]
 
+    def pair(k):
+        keys = ["b:{%d}:ip" % k, "b:{%d}:key" % k]
+        return [["EVALSHA", shas["token_bucket.lua"], 2] + keys + [600, 60, 60, 60, 1]]
+
+    def take_with_id(k, ident):
+        return [["EVALSHA", shas["token_bucket_ids.lua"], 1, "b:%d" % k, 60, 60, 1, ident, ""]]
+
     return [
+        ("EVALSHA token_bucket.lua (2 keys)", "HSET (2 fields) × 2", "existing", pair,
+         lambda k, i: pair(k)),
+        # The key already remembers an id (its warm call's), as QAG.TAKE ID's row.
+        ("EVALSHA token_bucket.lua ID", "HSET (2 fields)", "existing",
+         lambda k: take_with_id(k, "w"), lambda k, i: take_with_id(k, "r%d" % i)),
         ("EVALSHA lease.lua acquire + release", "ZADD + ZREMRANGEBYSCORE + ZREM", "existing",
          lambda k: script_lease("l:%d" % k, "w"),
          lambda k, i: script_lease("l:%d" % k, "r%d" % i) +

@@ -24,6 +24,19 @@ pub const QUOTA_LUA: &str = concat!(
     include_str!("../../lua/request_ids.lua"),
     include_str!("../../lua/quota.lua")
 );
+/// The token-bucket script for a call with a request id: the ids' part, the buckets'
+/// part of ids, then the script (as the clients send it).
+pub const TOKEN_BUCKET_IDS_LUA: &str = concat!(
+    include_str!("../../lua/request_ids.lua"),
+    include_str!("../../lua/bucket_ids.lua"),
+    include_str!("../../lua/token_bucket.lua")
+);
+/// The refund script for a call with a request id, as the token-bucket script's.
+pub const TOKEN_REFUND_IDS_LUA: &str = concat!(
+    include_str!("../../lua/request_ids.lua"),
+    include_str!("../../lua/bucket_ids.lua"),
+    include_str!("../../lua/token_refund.lua")
+);
 /// The window family's script: the request ids' part, then its own.
 pub const WINDOW_LUA: &str = concat!(
     include_str!("../../lua/request_ids.lua"),

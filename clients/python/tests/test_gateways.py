@@ -289,7 +289,9 @@ def test_a_stopped_redis_costs_a_request_one_deadline(
         status, _, _ = get(gateway.url("key=acme~d"))
         took = time.monotonic() - started
         assert status == 200, "counted locally"
-        assert took < 0.5 + 0.25, took
+        # Below two deadlines (a deadline a call would be three), late by at most a
+        # loaded machine's wake-ups.
+        assert took < 0.5 * 1.8, took
 
 
 def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) -> None:

@@ -261,6 +261,48 @@ def test_a_lost_reply_is_replayed_with_its_id_and_counts_once(
         assert answer.admitted and answer.requests_remaining == 99
 
 
+# The bucket calls a server without the module answers by script (EVALSHA), each with
+# the caller's id.
+SCRIPT_CALLS: Dict[str, Callable[[Any, Optional[str]], Any]] = {
+    "take": CALLS["QAG.TAKE"],
+    "take_pair": CALLS["QAG.TAKE2"],
+    "refund": CALLS["QAG.REFUND"],
+}
+
+
+@pytest.mark.parametrize("call", list(SCRIPT_CALLS))
+def test_a_lost_reply_of_a_bucket_script_is_replayed_with_its_id_and_counts_once(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    relay: Callable[[Server], Relay],
+    call: str,
+) -> None:
+    """Without the module the script remembers the caller's id as the module does: its
+    replay after a lost reply answers the first call's reply and changes nothing."""
+    server = start_server(with_module=False)
+    through = relay(server)
+    limiter = make_limiter(Through(server, through), deadline=2.0)
+    # The scripts loaded (a lost NOSCRIPT would be no reply of a call that ran).
+    limiter.take(Bucket("qag:warm", 10, 3600), request_id="warm")
+    limiter.refund(Bucket("qag:warm", 10, 3600), 1, request_id="warm")
+    if call == "refund":
+        limiter.take(Bucket("qag:b", 10, 3600), 3)
+    before = through.sent("EVALSHA")
+    through.lose_reply_of("EVALSHA")
+    answer = SCRIPT_CALLS[call](limiter, "gateway-request-7")
+    assert through.sent("EVALSHA") == before + 2, "sent, then replayed once"
+    assert limiter.counts.replays == 1 and limiter.counts.errors == 0
+    if call == "take":
+        assert bucket_tokens(server, "qag:b") == 9
+        assert (answer.allowed, answer.remaining, answer.answered_by) == (True, 9, "script")
+    elif call == "take_pair":
+        assert (bucket_tokens(server, "qag:c"), bucket_tokens(server, "qag:k")) == (9, 9)
+        assert answer.client.answered_by == "script" and answer.key.remaining == 9
+    else:
+        assert bucket_tokens(server, "qag:b") == 9, "given back once"
+        assert (answer.remaining, answer.answered_by) == (9, "script")
+
+
 @pytest.mark.parametrize("command", list(CALLS))
 def test_a_lost_reply_without_a_caller_id_never_grants_more(
     start_server: Callable[..., Server],

@@ -198,6 +198,14 @@ fn push_id(command: &mut Cmd, id: Option<&str>) {
     }
 }
 
+/// A bucket script's id and KEEP (none: "") after its other arguments, for the script
+/// that remembers it (`Limiter::bucket_script`).
+fn push_script_id(invocation: &mut redis::ScriptInvocation<'_>, id: Option<&str>) {
+    if let Some(id) = id {
+        invocation.arg(id).arg("");
+    }
+}
+
 /// `COST n`, left out for the default 1 (less for the server to read).
 fn push_cost(command: &mut Cmd, cost: u64) {
     if cost != 1 {
@@ -235,9 +243,9 @@ where
     }
 
     /// Both buckets of a request: the client's, then, only if it allowed, the key's;
-    /// `cost` from each. QAG.TAKE2 where the module is (atomic: both keys must be in one
-    /// cluster slot), else the script on the client bucket and, if it allowed, on the key
-    /// bucket (two round trips). Replayed as [`Limiter::take`] is.
+    /// `cost` from each. QAG.TAKE2 where the module is, else its script on both keys,
+    /// either atomic in one round trip (both keys must be in one cluster slot). Replayed
+    /// as [`Limiter::take`] is.
     pub async fn take_pair(
         &self,
         client: &Bucket,
@@ -424,7 +432,7 @@ where
             };
             let decided = match (client, key) {
                 (Some(client), Some(key)) => pipelined(taken).and_then(|reply| {
-                    let pair = self.pair_decided(client, key, reply);
+                    let pair = self.pair_decided(client, key, reply, AnsweredBy::Module);
                     let pair = pair.map_err(Failure::Error)?;
                     Ok((Some(pair.client), pair.key))
                 }),
@@ -555,14 +563,20 @@ where
             let (left, answered_by) = match remaining {
                 Some(answer) => answer,
                 None => {
-                    let mut invocation = this.shared.refund_script.key(key);
+                    let script = match id {
+                        Some(_) => &this.shared.refund_script_with_ids,
+                        None => &this.shared.refund_script,
+                    };
+                    let mut invocation = script.key(key);
                     invocation.arg(count).arg(&call.period_text).arg(n);
+                    push_script_id(&mut invocation, id);
                     let invocation = &invocation;
-                    // Never resent after a dropped connection: twice would give back twice.
+                    // Resent after a dropped connection only with an id: twice without one
+                    // would give back twice.
                     let left: i64 = this
                         .sent(
                             |mut con| async move { invocation.invoke_async(&mut con).await },
-                            false,
+                            id.is_some(),
                         )
                         .await
                         .map_err(failure_error)?;
@@ -618,7 +632,7 @@ where
                 Err(failure) => self.module_failed(failure)?,
             }
         }
-        self.take_by_script(call).await
+        self.take_by_script(call, id).await
     }
 
     async fn take_pair_remote(
@@ -640,20 +654,29 @@ where
                 true,
             );
             match sent.await {
-                Ok(reply) => return self.pair_decided(client, key, reply),
+                Ok(reply) => return self.pair_decided(client, key, reply, AnsweredBy::Module),
                 Err(failure) => self.module_failed(failure)?,
             }
         }
-        let client_decision = self.take_by_script(client).await?;
-        let key_decision = if client_decision.allowed {
-            Some(self.take_by_script(key).await?)
-        } else {
-            None
-        };
-        Ok(PairDecision {
-            client: client_decision,
-            key: key_decision,
-        })
+        // TAKE2's twin: both buckets in one call, atomic as TAKE2 is (the keys are on
+        // one server, or in one cluster slot: see `take_pair`).
+        let mut invocation = self.bucket_script(id).key(&client.key);
+        invocation
+            .key(&key.key)
+            .arg(client.count)
+            .arg(&client.period_text)
+            .arg(key.count)
+            .arg(&key.period_text)
+            .arg(client.cost);
+        push_script_id(&mut invocation, id);
+        let reply = self
+            .replayed(|mut con| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut con).await }
+            })
+            .await
+            .map_err(failure_error)?;
+        self.pair_decided(client, key, reply, AnsweredBy::Script)
     }
 
     async fn peek_remote(&self, call: &BucketCall) -> Result<Decision, Error> {
@@ -686,14 +709,16 @@ where
         self.decided(call, &verdict.as_reply(), AnsweredBy::Script)
     }
 
-    /// The script's take, sent once more after a dropped connection (an admission:
-    /// stricter by one if the first ran, as the module's without an id).
-    async fn take_by_script(&self, call: &BucketCall) -> Result<Decision, Error> {
-        let mut invocation = self.shared.script.key(&call.key);
+    /// The script's take, sent once more after a dropped connection: with the caller's
+    /// id a replay, answered as the first call was; without one an admission, stricter
+    /// by one if the first ran, as the module's without an id.
+    async fn take_by_script(&self, call: &BucketCall, id: Option<&str>) -> Result<Decision, Error> {
+        let mut invocation = self.bucket_script(id).key(&call.key);
         invocation
             .arg(call.count)
             .arg(&call.period_text)
             .arg(call.cost);
+        push_script_id(&mut invocation, id);
         let reply: Vec<i64> = self
             .replayed(|mut con| {
                 let invocation = &invocation;
@@ -704,18 +729,28 @@ where
         self.decided(call, &reply, AnsweredBy::Script)
     }
 
-    /// QAG.TAKE2's reply as both decisions (the key's None when it was not counted).
+    /// The token-bucket script: with a request id, the one that remembers it.
+    fn bucket_script(&self, id: Option<&str>) -> &redis::Script {
+        match id {
+            Some(_) => &self.shared.script_with_ids,
+            None => &self.shared.script,
+        }
+    }
+
+    /// QAG.TAKE2's reply (or its script's) as both decisions (the key's None when it
+    /// was not counted).
     fn pair_decided(
         &self,
         client: &BucketCall,
         key: &BucketCall,
         (client_reply, key_reply): (Vec<i64>, Option<Vec<i64>>),
+        by: AnsweredBy,
     ) -> Result<PairDecision, Error> {
         let key_decision = key_reply
-            .map(|reply| self.decided(key, &reply, AnsweredBy::Module))
+            .map(|reply| self.decided(key, &reply, by))
             .transpose()?;
         Ok(PairDecision {
-            client: self.decided(client, &client_reply, AnsweredBy::Module)?,
+            client: self.decided(client, &client_reply, by)?,
             key: key_decision,
         })
     }

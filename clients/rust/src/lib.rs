@@ -40,8 +40,8 @@ pub use headers::Headers;
 pub use ids::new_request_id;
 pub use leases::{Lease, LeaseGuard};
 pub use limiter::{
-    Backend, CrossSlot, Limiter, Options, LEASE_LUA, QUOTA_LUA, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA,
-    WINDOW_LUA,
+    Backend, CrossSlot, Limiter, Options, LEASE_LUA, QUOTA_LUA, TOKEN_BUCKET_IDS_LUA,
+    TOKEN_BUCKET_LUA, TOKEN_REFUND_IDS_LUA, TOKEN_REFUND_LUA, WINDOW_LUA,
 };
 pub use naming::{bucket_key, Bucket};
 pub use nodes::ClusterNodes;

@@ -28,6 +28,19 @@ use crate::waiting::WaitConnections;
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../../lua/token_bucket.lua");
 /// The repository's refund script, QAG.REFUND's twin on the same keys.
 pub const TOKEN_REFUND_LUA: &str = include_str!("../../../lua/token_refund.lua");
+/// The token-bucket script for a call with a request id: request ids' part and the
+/// buckets' part of it, then the script: the module's rules, the reply remembered.
+pub const TOKEN_BUCKET_IDS_LUA: &str = concat!(
+    include_str!("../../../lua/request_ids.lua"),
+    include_str!("../../../lua/bucket_ids.lua"),
+    include_str!("../../../lua/token_bucket.lua")
+);
+/// The refund script for a call with a request id, as [`TOKEN_BUCKET_IDS_LUA`].
+pub const TOKEN_REFUND_IDS_LUA: &str = concat!(
+    include_str!("../../../lua/request_ids.lua"),
+    include_str!("../../../lua/bucket_ids.lua"),
+    include_str!("../../../lua/token_refund.lua")
+);
 /// The lease family's script: QAG.LEASE, RENEW, RELEASE and LEASES on the same keys.
 pub const LEASE_LUA: &str = include_str!("../../../lua/lease.lua");
 /// The quota family's script: request ids' part, then QAG.QUOTA, QUOTA.ADD and
@@ -160,7 +173,9 @@ pub(crate) struct Shared {
     /// The limiter's deadline (a view's for one call may be shorter).
     pub(crate) deadline: Duration,
     pub(crate) script: redis::Script,
+    pub(crate) script_with_ids: redis::Script,
     pub(crate) refund_script: redis::Script,
+    pub(crate) refund_script_with_ids: redis::Script,
     pub(crate) lease_script: redis::Script,
     pub(crate) quota_script: redis::Script,
     pub(crate) window_script: redis::Script,
@@ -460,7 +475,9 @@ where
             topology,
             deadline: options.deadline,
             script: redis::Script::new(TOKEN_BUCKET_LUA),
+            script_with_ids: redis::Script::new(TOKEN_BUCKET_IDS_LUA),
             refund_script: redis::Script::new(TOKEN_REFUND_LUA),
+            refund_script_with_ids: redis::Script::new(TOKEN_REFUND_IDS_LUA),
             lease_script: redis::Script::new(LEASE_LUA),
             quota_script: redis::Script::new(QUOTA_LUA),
             window_script: redis::Script::new(WINDOW_LUA),

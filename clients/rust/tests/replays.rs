@@ -282,6 +282,88 @@ async fn a_call_whose_reply_is_lost_is_replayed_and_counts_once() {
     server.shutdown();
 }
 
+/// Without the module the bucket scripts remember the caller's id as the module does:
+/// a take, a pair and a refund whose replies are lost are replayed with it and count
+/// once, answered by the script.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bucket_script_whose_reply_is_lost_is_replayed_and_counts_once() {
+    if external("a_bucket_script_whose_reply_is_lost_is_replayed_and_counts_once") {
+        return;
+    }
+    let server = Server::start(&ServerOptions {
+        without_module: true,
+        ..Default::default()
+    });
+    let mut con = server.client().get_connection().unwrap();
+    // Loaded first: the call whose reply is lost runs (a NOSCRIPT would not have).
+    for source in [
+        qag_client::TOKEN_BUCKET_LUA,
+        qag_client::TOKEN_BUCKET_IDS_LUA,
+        qag_client::TOKEN_REFUND_IDS_LUA,
+    ] {
+        let _: String = cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(source)
+            .query(&mut con)
+            .unwrap();
+    }
+    let (port, deadline) = (server.port, Duration::from_secs(2));
+    let through_a_relay = |id: &'static str| async move {
+        let relay = Relay::new(port, "EVALSHA", None);
+        let limiter = limiter_at(&relay.url(), deadline).await;
+        (relay, limiter.with_id(id).unwrap())
+    };
+
+    let (relay, limiter) = through_a_relay("gateway-request-1").await;
+    let bucket = Bucket::named("key", 10, 3600.0, "acme~take");
+    let decision = limiter.take(&bucket, 1).await.unwrap();
+    assert_eq!(
+        relay.dropped.load(Ordering::SeqCst),
+        1,
+        "the reply was lost"
+    );
+    assert_eq!(
+        (decision.allowed, decision.remaining, decision.answered_by),
+        (true, 9, AnsweredBy::Script)
+    );
+    assert_eq!(command_calls(&mut con, "evalsha"), 2, "sent, then replayed");
+    assert_eq!(
+        tokens(&mut con, bucket.key()),
+        9,
+        "one token taken, not two"
+    );
+
+    let (relay, limiter) = through_a_relay("gateway-request-2").await;
+    let (client, key) = (
+        Bucket::named("client", 10, 3600.0, "203.0.113.9"),
+        Bucket::named("key", 10, 3600.0, "acme~pair"),
+    );
+    let pair = limiter.take_pair(&client, &key, 1).await.unwrap();
+    assert_eq!(relay.dropped.load(Ordering::SeqCst), 1);
+    assert!(pair.allowed() && pair.client.answered_by == AnsweredBy::Script);
+    assert_eq!(
+        command_calls(&mut con, "evalsha"),
+        4,
+        "one call for both buckets"
+    );
+    for bucket in [&client, &key] {
+        assert_eq!(tokens(&mut con, bucket.key()), 9, "{}", bucket.key());
+    }
+
+    let direct = limiter_at(&format!("redis://127.0.0.1:{port}/"), deadline).await;
+    direct.take(&bucket, 3).await.unwrap();
+    let (relay, limiter) = through_a_relay("gateway-request-3").await;
+    let refunded = limiter.refund(&bucket, 2).await.unwrap();
+    assert_eq!(relay.dropped.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        (refunded.remaining, refunded.answered_by),
+        (8, AnsweredBy::Script)
+    );
+    assert_eq!(command_calls(&mut con, "evalsha"), 7);
+    assert_eq!(tokens(&mut con, bucket.key()), 8, "given back once");
+    server.shutdown();
+}
+
 /// The replica promoted between the call and its replay answers the replay with what
 /// the old primary answered: counted once (a take, and a reservation's commit).
 #[tokio::test(flavor = "multi_thread")]

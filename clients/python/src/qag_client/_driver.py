@@ -75,7 +75,15 @@ from ._engine import (
     sort_error,
     waiting_of,
 )
-from ._script import LEASE_LUA, QUOTA_LUA, TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA, WINDOW_LUA
+from ._script import (
+    LEASE_LUA,
+    QUOTA_LUA,
+    TOKEN_BUCKET_IDS_LUA,
+    TOKEN_BUCKET_LUA,
+    TOKEN_REFUND_IDS_LUA,
+    TOKEN_REFUND_LUA,
+    WINDOW_LUA,
+)
 from .naming import Bucket
 
 log = logging.getLogger("qag_client")
@@ -300,7 +308,9 @@ class Node:
         self.epoch = epoch
         self.scripts = {
             "bucket": self.client.register_script(TOKEN_BUCKET_LUA),
+            "bucket_ids": self.client.register_script(TOKEN_BUCKET_IDS_LUA),
             "refund": self.client.register_script(TOKEN_REFUND_LUA),
+            "refund_ids": self.client.register_script(TOKEN_REFUND_IDS_LUA),
             "lease": self.client.register_script(LEASE_LUA),
             "quota": self.client.register_script(QUOTA_LUA),
             "window": self.client.register_script(WINDOW_LUA),

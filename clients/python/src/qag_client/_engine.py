@@ -86,9 +86,10 @@ class Command:
 class RunScript:
     keys: Tuple[str, ...]
     arguments: Tuple[Any, ...]
-    # "bucket" (lua/token_bucket.lua), "refund" (lua/token_refund.lua), "lease"
-    # (lua/lease.lua), "quota" or "window" (lua/request_ids.lua then lua/quota.lua or
-    # lua/window.lua).
+    # "bucket" (lua/token_bucket.lua), "refund" (lua/token_refund.lua), each with "_ids"
+    # for a call with a request id (lua/request_ids.lua and lua/bucket_ids.lua first),
+    # "lease" (lua/lease.lua), "quota" or "window" (lua/request_ids.lua then
+    # lua/quota.lua or lua/window.lua).
     script: str = "bucket"
 
 
@@ -652,7 +653,11 @@ class Engine:
             except UnknownCommand:
                 self._module_failed()
         try:
-            reply = yield RunScript((call.key,), arguments, "refund")
+            # Resent after a dropped connection only with an id: twice without one would
+            # give back twice.
+            name = "refund" if request_id is None else "refund_ids"
+            script = RunScript((call.key,), (*arguments, *_script_id(request_id)), name)
+            reply = yield from self._sent(script, request_id is not None)
         except UnknownCommand as error:
             raise QagServerError(str(error)) from error
         return self._saw_refund(call, call.refunded(reply, "script"))
@@ -668,7 +673,7 @@ class Engine:
                 return self._saw(call, call.decision(reply, "module"))
             except UnknownCommand:
                 self._module_failed()
-        return (yield from self._script(call))
+        return (yield from self._script(call, request_id))
 
     def _take_pair(
         self,
@@ -685,18 +690,19 @@ class Engine:
                 return self._pair_decided(client, key, reply)
             except UnknownCommand:
                 self._module_failed()
-        client_decision = yield from self._script(client)
-        key_decision = (yield from self._script(key)) if client_decision.allowed else None
-        return PairDecision(client_decision, key_decision)
+        return (yield from self._pair_by_script(client, key, request_id))
 
-    def _pair_decided(self, client: BucketCall, key: BucketCall, reply: Any) -> PairDecision:
-        """QAG.TAKE2's reply as both decisions (the key's None when not counted)."""
+    def _pair_decided(
+        self, client: BucketCall, key: BucketCall, reply: Any, by: str = "module"
+    ) -> PairDecision:
+        """QAG.TAKE2's reply (or its script's) as both decisions (the key's None when
+        not counted)."""
         if not isinstance(reply, list) or len(reply) != 2:
             raise QagServerError(f"a QAG.TAKE2 reply, got {reply!r}")
-        client_decision = self._saw(client, client.decision(reply[0], "module"))
+        client_decision = self._saw(client, client.decision(reply[0], by))
         if reply[1] is None:
             return PairDecision(client_decision, None)
-        return PairDecision(client_decision, self._saw(key, key.decision(reply[1], "module")))
+        return PairDecision(client_decision, self._saw(key, key.decision(reply[1], by)))
 
     def take_with_quota(
         self,
@@ -779,10 +785,16 @@ class Engine:
             if not isinstance(error, UnknownCommand):
                 raise error
             self._module_failed()  # nothing ran: the script takes
-        client_decision = None if client is None else (yield from self._script(client))
-        key_decision = None
-        if key is not None and (client_decision is None or client_decision.allowed):
-            key_decision = yield from self._script(key)
+        client_decision: Optional[Decision] = None
+        key_decision: Optional[Decision] = None
+        if alone is None:
+            assert client is not None and key is not None
+            pair_decision = yield from self._pair_by_script(client, key, request_id)
+            client_decision, key_decision = pair_decision.client, pair_decision.key
+        elif client is not None:
+            client_decision = yield from self._script(alone, request_id)
+        else:
+            key_decision = yield from self._script(alone, request_id)
         try:
             # Its own round trip: what it meets is the check's; the buckets' answers stand.
             quota_decision = yield from self._quota_check(quota_key, quota)
@@ -808,13 +820,32 @@ class Engine:
         reply, _ = take(call.count, call.period, call.cost, _stored(fields), now)
         return self._saw(call, call.decision(reply, "script"))
 
-    def _script(self, call: BucketCall) -> Flow[Decision]:
+    def _script(self, call: BucketCall, request_id: Optional[str]) -> Flow[Decision]:
+        """The script's take, sent once more after a dropped connection: with the
+        caller's id a replay, answered as the first call was; without one an admission,
+        stricter by one if the first ran, as the module's without an id."""
+        arguments = (call.count, call.period_text, call.cost, *_script_id(request_id))
         try:
-            script = RunScript((call.key,), (call.count, call.period_text, call.cost))
-            reply = yield from self._sent(script, True)
+            reply = yield from self._sent(
+                RunScript((call.key,), arguments, _bucket_script(request_id)), True
+            )
         except UnknownCommand as error:
             raise QagServerError(str(error)) from error
         return self._saw(call, call.decision(reply, "script"))
+
+    def _pair_by_script(
+        self, client: BucketCall, key: BucketCall, request_id: Optional[str]
+    ) -> Flow[PairDecision]:
+        """QAG.TAKE2's twin: both buckets in one call, atomic as TAKE2 is (the keys are
+        on one server, or in one cluster slot: see ``take_pair``)."""
+        limits = (client.count, client.period_text, key.count, key.period_text)
+        arguments = (*limits, client.cost, *_script_id(request_id))
+        script = RunScript((client.key, key.key), arguments, _bucket_script(request_id))
+        try:
+            reply = yield from self._sent(script, True)
+        except UnknownCommand as error:
+            raise QagServerError(str(error)) from error
+        return self._pair_decided(client, key, reply, "script")
 
     # Redis's last word on each key, where local counting would begin.
 
@@ -1320,6 +1351,17 @@ def _waiting(words: Tuple[Any, ...], wait: Optional[float]) -> Command:
 def _with_id(words: Sequence[Any], request_id: Optional[str]) -> Tuple[Any, ...]:
     """A command's words, with ``ID request_id`` last when the call has an id."""
     return (*words, "ID", request_id) if request_id is not None else tuple(words)
+
+
+def _script_id(request_id: Optional[str]) -> Tuple[str, ...]:
+    """A bucket script's id and KEEP (none: "") after its other arguments, for the
+    script that remembers it (``_bucket_script``)."""
+    return () if request_id is None else (request_id, "")
+
+
+def _bucket_script(request_id: Optional[str]) -> str:
+    """The token-bucket script: with a request id, the one that remembers it."""
+    return "bucket" if request_id is None else "bucket_ids"
 
 
 def _chain(scopes: Sequence[Union[Scope, Tuple[str, int, int]]]) -> List[Scope]:

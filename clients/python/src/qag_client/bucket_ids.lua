@@ -1,0 +1,1 @@
+../../../../lua/bucket_ids.lua
