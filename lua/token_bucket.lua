@@ -19,20 +19,14 @@
 local time = redis.call('TIME')
 local now = tonumber(time[1]) + tonumber(time[2]) / 1e6
 
--- A field that is missing, not a number, or not finite reads as nothing.
-local function finite(value)
-  local n = tonumber(value)
-  if n == nil or n ~= n or n == math.huge or n == -math.huge then
-    return nil
-  end
-  return n
-end
-
--- A bucket of `count` tokens a `period` that held `tokens` at `ts` (nil: a full one),
--- refilled to now and `cost` taken: the reply, and the tokens and time to store (the
--- time never moves backward, so a clock stepped back mints no credit).
+-- A bucket of `count` tokens a `period` that held `tokens` at `ts` (the stored fields, or
+-- numbers), refilled to now and `cost` taken: the reply, and the tokens and time to
+-- store (the time never moves backward, so a clock stepped back mints no credit).
 local function take(count, period, cost, tokens, ts)
-  if tokens == nil or ts == nil then
+  tokens, ts = tonumber(tokens), tonumber(ts)
+  -- A field that is missing, not a number, or not finite: a full bucket.
+  if tokens == nil or ts == nil or tokens ~= tokens or ts ~= ts or tokens == math.huge
+      or tokens == -math.huge or ts == math.huge or ts == -math.huge then
     tokens, ts = count, now
   end
   local rate = count / period
@@ -50,22 +44,22 @@ local function take(count, period, cost, tokens, ts)
   return {allowed, math.max(0, math.floor(tokens)), retry}, tokens, math.max(ts, now)
 end
 
--- The contract's write: kept until full, a period, and for a bucket that QAG.TAKE's
--- waiters charged ahead (below zero) the time to refill what they owe (at most a
--- longest wait, 60 s).
-local function write(key, count, period, tokens, ts)
-  redis.call('HSET', key, 'tokens', tokens, 'ts', ts)
-  redis.call('EXPIRE', key, math.ceil(period + math.min(math.max(0, -tokens) / (count / period), 60)))
-end
-
--- The contract's call, first: nothing made that it does not need.
+-- The contract's call, first, its write inline: nothing made that it does not need.
 if #KEYS == 1 and ARGV[4] == nil then
   local key, count, period = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
   local fields = redis.call('HMGET', key, 'tokens', 'ts')
-  local reply, tokens, ts = take(count, period, tonumber(ARGV[3] or '1'), finite(fields[1]),
-    finite(fields[2]))
-  write(key, count, period, tokens, ts)
+  local reply, tokens, ts = take(count, period, tonumber(ARGV[3] or '1'), fields[1], fields[2])
+  redis.call('HSET', key, 'tokens', tokens, 'ts', ts)
+  -- Kept until full: a period, and for a bucket that QAG.TAKE's waiters charged ahead
+  -- (below zero), the time to refill what they owe (at most a longest wait, 60 s).
+  redis.call('EXPIRE', key, math.ceil(period + math.min(math.max(0, -tokens) / (count / period), 60)))
   return reply
+end
+
+-- The contract's write for each bucket of a pair, as the call above writes its one.
+local function write(key, count, period, tokens, ts)
+  redis.call('HSET', key, 'tokens', tokens, 'ts', ts)
+  redis.call('EXPIRE', key, math.ceil(period + math.min(math.max(0, -tokens) / (count / period), 60)))
 end
 
 local pair = #KEYS == 2
@@ -85,7 +79,16 @@ end
 
 local function fields_of(key)
   local fields = redis.call('HMGET', key, 'tokens', 'ts')
-  return finite(fields[1]), finite(fields[2])
+  return fields[1], fields[2]
+end
+
+-- A field that is missing, not a number, or not finite reads as nothing.
+local function finite(value)
+  local n = tonumber(value)
+  if n == nil or n ~= n or n == math.huge or n == -math.huge then
+    return nil
+  end
+  return n
 end
 
 local function wrong_type(key)

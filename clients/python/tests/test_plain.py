@@ -18,6 +18,7 @@ from qag_client.local import LocalBuckets
 def test_the_packaged_script_is_the_repositorys_byte_for_byte() -> None:
     scripts = sorted(path.name for path in (REPOSITORY / "lua").glob("*.lua"))
     assert scripts == [
+        "bucket_ids.lua",
         "lease.lua",
         "quota.lua",
         "request_ids.lua",

@@ -11,7 +11,12 @@ header rendering and local counting are plain code (``decisions``, ``_engine``,
 """
 
 from ._async import AsyncLease, AsyncLimiter, AsyncReservation
-from ._script import TOKEN_BUCKET_LUA, TOKEN_REFUND_LUA
+from ._script import (
+    TOKEN_BUCKET_IDS_LUA,
+    TOKEN_BUCKET_LUA,
+    TOKEN_REFUND_IDS_LUA,
+    TOKEN_REFUND_LUA,
+)
 from ._sync import Lease, Limiter, Reservation
 from .decisions import (
     Admission,
@@ -61,7 +66,9 @@ __all__ = [
     "Refunded",
     "Reservation",
     "Scope",
+    "TOKEN_BUCKET_IDS_LUA",
     "TOKEN_BUCKET_LUA",
+    "TOKEN_REFUND_IDS_LUA",
     "TOKEN_REFUND_LUA",
     "TakenWithQuota",
     "bucket_key",
