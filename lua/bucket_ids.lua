@@ -11,6 +11,13 @@
 -- leave a bucket, and how much longer its key is kept for it (`wait::MAX_WAIT_SECONDS`).
 local MAX_WAIT_SECONDS = 60
 
+-- The clock of a call that read TIME as `time`, `now` its seconds: also in microseconds
+-- and milliseconds, as the module's rules count them.
+local function bucket_clock(time, now)
+  local micros = tonumber(time[1]) * 1000000 + tonumber(time[2])
+  return {seconds = now, micros = micros, millis = idiv(micros, 1000)}
+end
+
 -- The stored tokens and time a call at `now` (s) takes from (`bucket::trusted`); nil
 -- for a full bucket.
 local function trusted_bucket(count, period, tokens, ts, now)

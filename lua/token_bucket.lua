@@ -127,8 +127,7 @@ if request_id == nil then
 end
 
 -- With a request id: request_ids.lua's and bucket_ids.lua's parts are above this one.
-local micros = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local clock = {seconds = now, micros = micros, millis = idiv(micros, 1000)}
+local clock = bucket_clock(time, now)
 
 -- A bucket's stored state as the module trusts it, read with `more` fields; or the
 -- read's error.

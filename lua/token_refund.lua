@@ -51,8 +51,7 @@ if request_id == nil then
 end
 
 -- With a request id: request_ids.lua's and bucket_ids.lua's parts are above this one.
-local micros = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local clock = {seconds = now, micros = micros, millis = idiv(micros, 1000)}
+local clock = bucket_clock(time, now)
 local field = 'id:refund:' .. request_id
 local fields = read_fields(key, 'tokens', 'ts', field)
 if fields.err then
