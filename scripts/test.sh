@@ -107,12 +107,16 @@ fi
 
 # What failed, again at the end: a CI log is often read from its tail, and the pool's
 # lines are interleaved.
+# Each failure's place and message, without tracebacks' code and backtraces' frames:
+# one long backtrace pushed the other jobs' failures out of the tail CI shows.
 what_failed() { # kind log
   case $1 in
-  python | python-oldest) sed -n '/short test summary info/,$p' "$2" ;;
-  rust) sed -n '/^failures:$/,/^test result: FAILED/p' "$2" ;;
+  python | python-oldest)
+    sed -n '/= FAILURES =/,$p' "$2" | grep -E '^(_{3,} |E  |[^ ].*:[0-9]+: [A-Za-z]|FAILED |ERROR |=+ [0-9]+ (passed|failed))' ;;
+  rust)
+    sed -n '/^failures:$/,/^test result: FAILED/p' "$2" | grep -vE '^ +([0-9]+: |at )' ;;
   *) tail -n 40 "$2" ;;
-  esac | head -n 300
+  esac | head -n 120
 }
 if [ -s "$results/failed" ]; then
   while read -r kind name; do

@@ -55,7 +55,9 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     started = time.monotonic()
     with pytest.raises(QagUnavailable, match="backing off"):
         strict.take(Bucket("qag:strict", 5, 3600))
-    assert time.monotonic() - started < DEADLINE / 10  # no round trip to the stopped server
+    # No round trip to the stopped server, which would have cost the whole deadline (a
+    # call late by a wake-up on the loaded machine is not one).
+    assert time.monotonic() - started < DEADLINE / 2
     assert strict.backing_off and not strict.counting_locally
 
     decisions = []
@@ -75,10 +77,10 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     with pytest.raises(QagUnavailable, match="backing off"):
         strict.take(Bucket("qag:strict", 5, 3600))
     # Every call keeps to the policy until the probe (the limiter's own COMMAND INFO)
-    # has answered; none waits for it.
-    assert until_redis(lambda: local.take(Bucket("qag:local", 5, 3600))) < DEADLINE / 3
+    # has answered; none waits for it, nor for a deadline.
+    assert until_redis(lambda: local.take(Bucket("qag:local", 5, 3600))) < DEADLINE / 2
     assert not local.counting_locally
-    assert until_redis(lambda: strict.take(Bucket("qag:strict", 5, 3600))) < DEADLINE / 3
+    assert until_redis(lambda: strict.take(Bucket("qag:strict", 5, 3600))) < DEADLINE / 2
     assert local.counts.module == 2 and strict.counts.module == 2
     # Redis saw the warm-up calls, the two sent before their deadlines passed (run
     # once it continued), and one call each after the probes: none of the back-off's.
@@ -175,7 +177,9 @@ def test_every_family_during_a_stop_under_each_policy(
                 n += 1
                 took, worked, seen, status = gateway_request(limiter, n)
                 assert (seen, status) == expected[name[1]], name
-                if took >= DEADLINE / 3:  # waited on Redis: a stopped server holds a call
+                # Waited on Redis: a stopped server holds a call its whole deadline (a
+                # call slowed by the loaded machine is counted among the fast below).
+                if took >= DEADLINE - 0.01:
                     slow[name] += 1
                     assert took < DEADLINE + 0.1, (name, took)
                 else:

@@ -34,6 +34,7 @@ use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use redis::aio::ConnectionLike;
+use tokio::task::JoinHandle;
 
 use crate::answers::Refusal;
 use crate::decision::{AnsweredBy, Decision, LeaseRefusal, Quota, QuotaDecision};
@@ -733,9 +734,9 @@ where
             headers.insert("retry-after", HeaderValue::from(seconds));
         }
         headers.insert("content-type", HeaderValue::from_static("application/json"));
-        let mut response = Response::new(LimitedBody::Refusal(Some(Bytes::from(
+        let mut response = Response::new(LimitedBody::refusal(Bytes::from(
             refusal.body(&self.request_id),
-        ))));
+        )));
         *response.status_mut() =
             StatusCode::from_u16(refusal.status()).unwrap_or(StatusCode::TOO_MANY_REQUESTS);
         *response.headers_mut() = headers;
@@ -772,18 +773,55 @@ where
             // Its own id: a second add with the request's would be a replay.
             rows: quota.map(|(key, quota)| (self.base.clone(), key, quota, rows)),
         };
-        Response::from_parts(parts, LimitedBody::Answer(body, Some(Box::new(at_end))))
+        Response::from_parts(parts, LimitedBody::answer(body, Box::new(at_end)))
     }
 }
 
-/// What ends with a response's body: the slot is released (the guard's drop), and rows
-/// reported while it streamed are added to the quota.
+/// What ends with a response's body: the slot is released, and rows reported while it
+/// streamed are added to the quota. Awaited before the body's end goes out (as the ASGI
+/// middleware does), so a client that sends its next request once it has read a
+/// response finds the slot free; in the background if the body is dropped first (a
+/// client gone mid-stream).
 struct AtEnd<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     guard: Option<LeaseGuard<C>>,
     rows: Option<(Limiter<C>, String, Quota, ReportRows)>,
+}
+
+/// An `AtEnd` of any connection type, so that `LimitedBody` has none.
+trait EndsWithBody: Send + Sync {
+    /// The end as a task of its own (none outside a runtime: dropped, it ends in the
+    /// background), so that a body dropped while awaiting it cannot cut it short.
+    fn end(self: Box<Self>) -> Option<JoinHandle<()>>;
+}
+
+/// The end being awaited, and the body's last frame (none: its end) held until it is
+/// done.
+struct Ending {
+    end: JoinHandle<()>,
+    last: Option<Frame<Bytes>>,
+}
+
+impl<C> EndsWithBody for AtEnd<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn end(mut self: Box<Self>) -> Option<JoinHandle<()>> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let guard = self.guard.take();
+        let rows = self.rows.take();
+        Some(runtime.spawn(async move {
+            if let Some(guard) = guard {
+                // A failed release goes on in the background (LeaseGuard::release).
+                drop(guard.release().await);
+            }
+            if let Some((limiter, key, quota, rows)) = rows {
+                add_late_rows(&limiter, &key, &quota, &rows).await;
+            }
+        }))
+    }
 }
 
 impl<C> Drop for AtEnd<C>
@@ -795,35 +833,61 @@ where
         let Some((limiter, key, quota, rows)) = self.rows.take() else {
             return;
         };
-        let late = rows.take();
-        if late == 0 {
-            return;
-        }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(error) = limiter.quota_add(&key, &quota, 0, late).await {
-                    log::warn!(target: "qag_client", "adding {late} rows to {key} failed: {error}");
-                }
-            });
+            runtime.spawn(async move { add_late_rows(&limiter, &key, &quota, &rows).await });
         }
     }
 }
 
-/// A response body through the layer: the handler's, holding what must last until its
-/// end, or a refusal's JSON.
-pub enum LimitedBody<B> {
-    Answer(B, Option<Box<dyn Send + Sync>>),
+/// Adds to the quota the rows reported since the handler answered, if any.
+async fn add_late_rows<C>(limiter: &Limiter<C>, key: &str, quota: &Quota, rows: &ReportRows)
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let late = rows.take();
+    if late == 0 {
+        return;
+    }
+    if let Err(error) = limiter.quota_add(key, quota, 0, late).await {
+        log::warn!(target: "qag_client", "adding {late} rows to {key} failed: {error}");
+    }
+}
+
+/// A response body through the layer: the handler's, holding what must end with it
+/// (see `AtEnd`), or a refusal's JSON.
+pub struct LimitedBody<B>(BodyState<B>);
+
+enum BodyState<B> {
+    Answer {
+        body: B,
+        at_end: Option<Box<dyn EndsWithBody>>,
+        ending: Option<Ending>,
+    },
     Refusal(Option<Bytes>),
+}
+
+impl<B> LimitedBody<B> {
+    fn answer(body: B, at_end: Box<dyn EndsWithBody>) -> Self {
+        LimitedBody(BodyState::Answer {
+            body,
+            at_end: Some(at_end),
+            ending: None,
+        })
+    }
+
+    fn refusal(bytes: Bytes) -> Self {
+        LimitedBody(BodyState::Refusal(Some(bytes)))
+    }
 }
 
 impl<B> std::fmt::Debug for LimitedBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LimitedBody::Answer(_, at_end) => f
+        match &self.0 {
+            BodyState::Answer { at_end, .. } => f
                 .debug_struct("Answer")
                 .field("holding", &at_end.is_some())
                 .finish_non_exhaustive(),
-            LimitedBody::Refusal(bytes) => f.debug_tuple("Refusal").field(bytes).finish(),
+            BodyState::Refusal(bytes) => f.debug_tuple("Refusal").field(bytes).finish(),
         }
     }
 }
@@ -836,31 +900,59 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.get_mut() {
-            LimitedBody::Answer(body, at_end) => {
-                let frame = Pin::new(body).poll_frame(cx);
-                if let Poll::Ready(None) = frame {
-                    // The last byte went out: the slot is free now, not when the
-                    // connection gets around to dropping the body.
-                    drop(at_end.take());
-                }
-                frame
+        let (body, at_end, ending) = match &mut self.get_mut().0 {
+            BodyState::Answer {
+                body,
+                at_end,
+                ending,
+            } => (body, at_end, ending),
+            BodyState::Refusal(bytes) => {
+                return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b))))
             }
-            LimitedBody::Refusal(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+        };
+        loop {
+            if let Some(Ending { end, last }) = ending {
+                if Pin::new(end).poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let last = last.take();
+                *ending = None;
+                return Poll::Ready(last.map(Ok));
+            }
+            let frame = match Pin::new(&mut *body).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(frame) => frame,
+            };
+            // The last frame (or the end) waits for the slot's release: the server may
+            // stop polling once the body says it ended.
+            let last = match frame {
+                None => None,
+                Some(Ok(frame)) if body.is_end_stream() => Some(frame),
+                other => return Poll::Ready(other),
+            };
+            match at_end.take().and_then(|at_end| at_end.end()) {
+                Some(end) => *ending = Some(Ending { end, last }),
+                None => return Poll::Ready(last.map(Ok)),
+            }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        match self {
-            LimitedBody::Answer(body, _) => body.is_end_stream(),
-            LimitedBody::Refusal(bytes) => bytes.is_none(),
+        match &self.0 {
+            // Not while the end is still to be awaited (an empty body included).
+            BodyState::Answer {
+                body,
+                at_end,
+                ending,
+            } => at_end.is_none() && ending.is_none() && body.is_end_stream(),
+            BodyState::Refusal(bytes) => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self {
-            LimitedBody::Answer(body, _) => body.size_hint(),
-            LimitedBody::Refusal(bytes) => {
+        match &self.0 {
+            BodyState::Answer { body, .. } => body.size_hint(),
+            BodyState::Refusal(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
         }
