@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 
 import pytest
 import redis
+import redis.asyncio.retry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -115,7 +116,8 @@ class Server:
         return redis.Redis(port=self.port, retry=no_retry(), **options)
 
     def async_client(self, **options: Any) -> "redis.asyncio.Redis[bytes]":
-        return redis.asyncio.Redis(port=self.port, retry=no_retry(), **options)
+        retry = redis.asyncio.retry.Retry(NoBackoff(), 0)  # a blocking one makes redis-py 8 warn
+        return redis.asyncio.Redis(port=self.port, retry=retry, **options)
 
     def log(self) -> str:
         path = self.directory / f"server-{self.port}.log"

@@ -683,6 +683,29 @@ def test_a_request_waits_for_its_turn_instead_of_a_429(
     assert without_request_id(body) == without_request_id(plain_body)
 
 
+def test_a_wait_longer_than_the_deadline_is_waited_whole(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], timing: None
+) -> None:
+    """A request's calls share one deadline (0.5 s), but a wait it asked for is the
+    server holding it on purpose, not slowness: a token 1.5 s away within a wait of
+    2.5 s is waited for and answered 200 (it was cut at the deadline and answered 503)."""
+    server = start_server()
+    waiting = start_gateway(server, "--key-limit", "2/3", "--wait", "2500")
+    url = waiting.url("key=acme~long")
+    for _ in range(2):
+        assert httpx.get(url, timeout=10).status_code == 200
+    started = time.monotonic()
+    response = httpx.get(url, timeout=10)
+    took = time.monotonic() - started
+    assert response.status_code == 200, response.text
+    assert 1.0 <= took < 2.5, took
+    waited = int(response.headers["server-timing"].removeprefix("qag-wait;dur="))
+    assert 1000 <= waited < 2500, waited
+    # Three tokens charged, none given back: the bucket holds less than one.
+    tokens = server.client().hget("qag:ratelimit:key:2/3:acme~long", "tokens")
+    assert tokens is not None and float(tokens) < 1, tokens
+
+
 @pytest.mark.cores
 @pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
 def test_two_hundred_requests_at_once_stay_within_every_limit(

@@ -11,6 +11,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Deque, Dict, List, Optional, Tuple
 
 import redis.asyncio
+import redis.asyncio.retry
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
@@ -297,7 +298,11 @@ class AsyncLimiter(driver.Driver["AsyncLease", "AsyncReservation"]):
         own_pool = redis.asyncio.BlockingConnectionPool(
             connection_class=_tracked(pool.connection_class),
             max_connections=max_connections,
-            **{"timeout": deadline, **driver.pool_settings(pool, deadline, on_connect)},
+            **{
+                "timeout": deadline,
+                # redis-py 8 warns of a blocking Retry given to an asyncio client.
+                **driver.pool_settings(pool, deadline, on_connect, redis.asyncio.retry.Retry),
+            },
         )
         return redis.asyncio.Redis(connection_pool=own_pool), _Gate(max_connections)
 

@@ -196,7 +196,8 @@ class Trip:
     ``queue_by``: until then the call waits on this process (a place in the pool, the
     event loop, a thread), and past it has waited too long (NotSent). The first write
     starts the server's time: every answer is due by ``answer_by``, ``window`` seconds
-    later (less where the request's budget has less left, never past ``latest``)."""
+    later (less where the request's budget has less left, never past ``latest``), and
+    ``wait`` more for a call the server may hold on purpose (``holding``)."""
 
     def __init__(
         self,
@@ -211,6 +212,14 @@ class Trip:
         self.budget = budget
         self.written_at: Optional[float] = None
         self.answer_by: Optional[float] = None
+        self.wait = 0.0
+
+    def holding(self, wait: float) -> None:
+        """The server may hold the call up to ``wait`` seconds: its answers are due
+        that much later, beyond the request's budget too (a wait is no server's
+        slowness)."""
+        self.window += wait
+        self.wait = wait
 
     @property
     def due(self) -> float:
@@ -224,18 +233,20 @@ class Trip:
             return
         if now >= self.queue_by:
             raise NotSent("the deadline passed before the request was written")
-        window = self.window if self.budget is None else min(self.window, self.budget.left)
-        if window <= 0:  # the request waited its whole deadline on the server already
+        window = self.window
+        if self.budget is not None:
+            window = min(window, self.budget.left + self.wait)
+        if window <= self.wait:  # the request waited its whole deadline on the server already
             raise DeadlinePassed("the request's deadline is spent")
         self.written_at, self.answer_by = now, now + window
         if self.latest is not None:
             self.answer_by = min(self.answer_by, self.latest)
 
-    def ended(self, now: float, wait: float = 0.0) -> None:
+    def ended(self, now: float) -> None:
         """The call is done: what it waited on the server is taken from the budget (but
         for a wait it asked for: the server held it on purpose)."""
         if self.budget is not None and self.written_at is not None:
-            spent = max(now - self.written_at - wait, 0.0)
+            spent = max(now - self.written_at - self.wait, 0.0)
             self.budget.left = max(self.budget.left - spent, 0.0)
 
 
@@ -402,20 +413,22 @@ def check_options(deadline: float, max_connections: int, queue_timeout: float) -
         raise ValueError("max_connections must be an integer of at least 1")
 
 
-def pool_settings(pool: Any, deadline: float, on_connect: Callable[..., Any]) -> Any:
+def pool_settings(
+    pool: Any, deadline: float, on_connect: Callable[..., Any], retry_class: Any
+) -> Any:
     """The settings of the limiter's own pool, made from the caller's client's: its
     address, credentials, TLS and database, but the deadline as connect and socket
-    timeouts, no retries (a retry would outlast the deadline), and ``on_connect`` (which
-    tells the limiter of every new connection: a reconnect may reach a server restarted
-    with or without the module) run where the client's own hook would be."""
+    timeouts, no retries (a retry would outlast the deadline; ``retry_class``: the I/O
+    layer's ``Retry``), and ``on_connect`` (which tells the limiter of every new
+    connection: a reconnect may reach a server restarted with or without the module) run
+    where the client's own hook would be."""
     from redis.backoff import NoBackoff
-    from redis.retry import Retry
 
     settings = dict(pool.connection_kwargs)
     settings.update(
         socket_timeout=deadline,
         socket_connect_timeout=deadline,
-        retry=Retry(NoBackoff(), 0),
+        retry=retry_class(NoBackoff(), 0),
         redis_connect_func=on_connect,
     )
     return settings
@@ -908,7 +921,7 @@ class Driver(Generic[LeaseT, ReservationT]):
         queue_by = trip.queue_by
         wait = wait or 0.0
         gate = node.wait_gate if wait else node.gate
-        trip.window += wait
+        trip.holding(wait)
         gated = False
         try:
             request = next(flow)
@@ -945,7 +958,7 @@ class Driver(Generic[LeaseT, ReservationT]):
             answer: T = stop.value
             return answer
         finally:
-            trip.ended(self._now(), wait)
+            trip.ended(self._now())
             if gated:
                 gate.release(queue_by)
             flow.close()  # a cancelled call frees its probe slot

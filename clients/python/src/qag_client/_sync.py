@@ -10,6 +10,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import redis
+import redis.retry
 from redis.cluster import RedisCluster
 
 from . import _driver as driver
@@ -338,7 +339,7 @@ class Limiter(driver.Driver["Lease", "Reservation"]):
             connection_class=_bounded(pool.connection_class),
             max_connections=max_connections,
             timeout=deadline,
-            **driver.pool_settings(pool, deadline, on_connect),
+            **driver.pool_settings(pool, deadline, on_connect, redis.retry.Retry),
         )
         return redis.Redis(connection_pool=own_pool), _Gate(max_connections)
 
