@@ -5,7 +5,7 @@ python clients/python/examples/fastapi_gateway.py --redis redis://127.0.0.1:6379
   --listen 127.0.0.1:8080 [--client-limit 20/1] [--key-limit 60/60] [--max-concurrent 4] \
   [--quota-calls 100000 --quota-per month --quota-tz Europe/Berlin] \
   [--policy raise|forward|local] [--back-off 5] [--tpm 100000] [--rpm 0] \
-  [--shadow key,quota,...] [--wait 500]
+  [--shadow key,quota,...] [--wait 500 [--max-waiting 100]]
 
 GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a body
 streamed in `chunks` pieces over work_ms.
@@ -17,7 +17,8 @@ committed at the end; its answers carry the OpenAI-style x-ratelimit-*-requests 
 GET /limits (not limited): how each limit answered, {"key": {"allowed": N, "refused": N,
 "shadow": false}, ...}: the numbers to watch for a limit in --shadow.
 --wait MS: a request waits up to MS milliseconds for its buckets' tokens and its slot
-instead of a 429 (its server-timing says how long).
+instead of a 429 (its server-timing says how long); at most --max-waiting wait at once,
+a request beyond them is answered at once.
 """
 
 import argparse
@@ -94,6 +95,7 @@ def main() -> None:
         redis.asyncio.Redis.from_url(args.redis),
         on_unavailable=args.policy,
         back_off=args.back_off,
+        max_waiting=args.max_waiting,
     )
     app.state.limiter, app.state.tpm, app.state.rpm = limiter, args.tpm, args.rpm
     quota = None
@@ -157,6 +159,7 @@ def parse_args() -> argparse.Namespace:
         "--shadow", type=lambda text: text.split(","), default=[], help="limits in shadow"
     )
     parser.add_argument("--wait", type=int, default=0, help="ms a request may wait its turn")
+    parser.add_argument("--max-waiting", type=int, default=100, help="requests waiting at once")
     return parser.parse_args()
 
 

@@ -706,6 +706,37 @@ def test_a_wait_longer_than_the_deadline_is_waited_whole(
     assert tokens is not None and float(tokens) < 1, tokens
 
 
+def test_a_request_beyond_max_waiting_is_answered_at_once(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], timing: None
+) -> None:
+    """With every connection for waits taken (--max-waiting 1), a request that would
+    wait is answered as without a wait, as the server answers one beyond MAX-WAITERS:
+    a 429 with the bucket's fields, not a 503 (it was: QagBusy)."""
+    server = start_server()
+    gateway = start_gateway(server, "--key-limit", "2/4", "--wait", "3000", "--max-waiting", "1")
+    url = gateway.url("key=acme~full")
+    for _ in range(2):
+        assert httpx.get(url, timeout=10).status_code == 200
+
+    async def two_waits() -> Tuple[httpx.Response, httpx.Response, float]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            waiting = asyncio.ensure_future(client.get(url))  # its token in 2 s
+            while int(server.client().info("qag")["qag_waiters"]) < 1:
+                await asyncio.sleep(0.01)
+            started = time.monotonic()
+            beyond = await client.get(url)
+            took = time.monotonic() - started
+            return await waiting, beyond, took
+
+    waited, beyond, took = asyncio.run(two_waits())
+    assert waited.status_code == 200 and "qag-wait" in waited.headers["server-timing"]
+    assert beyond.status_code == 429, beyond.text
+    assert '"code":"rate_limited"' in beyond.text
+    assert beyond.headers["x-ratelimit-key-remaining"] == "0"
+    # Its queue time for a connection (the deadline, 0.5 s), then an answer at once.
+    assert took < 1.5, took
+
+
 @pytest.mark.cores
 @pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
 def test_two_hundred_requests_at_once_stay_within_every_limit(

@@ -6,10 +6,11 @@
 //!   --redis redis://127.0.0.1:6379/ --listen 127.0.0.1:8080 [--client-limit 20/1] \
 //!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000 --quota-per month \
 //!   --quota-tz Europe/Berlin] [--tpm 100000 [--rpm 60]] [--shadow key,quota,...] \
-//!   [--policy raise|forward|local] [--back-off 5] [--wait 500]
+//!   [--policy raise|forward|local] [--back-off 5] [--wait 500 [--max-waiting 100]]
 //!
 //! `--wait MS`: a request waits up to MS milliseconds for its buckets' tokens and its
-//! slot instead of a 429 (its `server-timing` says how long).
+//! slot instead of a 429 (its `server-timing` says how long); at most `--max-waiting`
+//! wait at once, a request beyond them is answered at once.
 //!
 //! GET /v1/query?key=K[&work_ms=N][&chunks=N][&reserve=T][&tokens=A]: a small JSON body
 //! after work_ms, or a body streamed in `chunks` pieces over work_ms. With `--tpm`, the
@@ -144,6 +145,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let options = Options {
         on_unavailable: args.policy,
         back_off: args.back_off,
+        max_waiting: args.max_waiting,
         ..Options::default()
     };
     let limiter = Limiter::connect(&args.redis, options).await?;
@@ -209,6 +211,7 @@ struct Args {
     policy: OnUnavailable,
     back_off: Duration,
     wait: Option<Duration>,
+    max_waiting: usize,
 }
 
 impl Args {
@@ -226,6 +229,7 @@ impl Args {
             policy: OnUnavailable::Raise,
             back_off: Options::default().back_off,
             wait: None,
+            max_waiting: Options::default().max_waiting,
         };
         let (mut calls, mut per, mut zone) = (None, Per::Month, "UTC".to_string());
         while let Some(flag) = words.next() {
@@ -239,6 +243,12 @@ impl Args {
                 "--max-concurrent" => args.max_concurrent = Some(number("--max-concurrent")?),
                 "--rpm" => args.rpm = number("--rpm")?,
                 "--wait" => args.wait = Some(Duration::from_millis(number("--wait")?)),
+                "--max-waiting" => {
+                    args.max_waiting = usize::try_from(number("--max-waiting")?)
+                        .ok()
+                        .filter(|most| *most >= 1)
+                        .ok_or(format!("--max-waiting: at least 1, not {value}"))?
+                }
                 "--tpm" => args.tpm = Some(number("--tpm")?),
                 "--shadow" => {
                     for name in value.split(',') {

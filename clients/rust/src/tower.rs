@@ -467,11 +467,15 @@ where
             _ => None,
         };
         let (client_bucket, key_bucket) = (self.client_bucket.as_ref(), self.key_bucket.as_ref());
-        let buckets = self.waiting(&[LimitName::Client, LimitName::Key]);
+        let buckets = [LimitName::Client, LimitName::Key];
         let quota_check = match &quota {
             Some((quota_key, quota)) => {
-                let taken = buckets
-                    .take_with_quota(client_bucket, key_bucket, 1, quota_key, quota)
+                let taken = self
+                    .ask(&buckets, |limiter| async move {
+                        limiter
+                            .take_with_quota(client_bucket, key_bucket, 1, quota_key, quota)
+                            .await
+                    })
                     .await;
                 match taken {
                     Ok(taken) => {
@@ -482,15 +486,23 @@ where
                 }
             }
             None => {
-                let taken = match (client_bucket, key_bucket) {
-                    (Some(client), Some(key)) => buckets
-                        .take_pair(client, key, 1)
-                        .await
-                        .map(|pair| (Some(pair.client), pair.key)),
-                    (Some(client), None) => buckets.take(client, 1).await.map(|d| (Some(d), None)),
-                    (None, Some(key)) => buckets.take(key, 1).await.map(|d| (None, Some(d))),
-                    (None, None) => Ok((None, None)),
-                };
+                let taken = self
+                    .ask(&buckets, |limiter| async move {
+                        match (client_bucket, key_bucket) {
+                            (Some(client), Some(key)) => limiter
+                                .take_pair(client, key, 1)
+                                .await
+                                .map(|pair| (Some(pair.client), pair.key)),
+                            (Some(client), None) => {
+                                limiter.take(client, 1).await.map(|d| (Some(d), None))
+                            }
+                            (None, Some(key)) => {
+                                limiter.take(key, 1).await.map(|d| (None, Some(d)))
+                            }
+                            (None, None) => Ok((None, None)),
+                        }
+                    })
+                    .await;
                 match taken {
                     Ok(taken) => (self.client, self.key) = taken,
                     Err(error) => return Err(self.failed(&error).await),
@@ -554,9 +566,12 @@ where
         }
         if let (Some(api_key), Some(max)) = (&self.api_key, self.limits.max_concurrent) {
             let slots = format!("qag:running:{api_key}");
+            let (ttl, id) = (self.config.lease_ttl, &self.id);
+            let slots = &slots;
             let lease = match self
-                .waiting(&[LimitName::Concurrency])
-                .lease(&slots, max, self.config.lease_ttl, &self.id)
+                .ask(&[LimitName::Concurrency], |limiter| async move {
+                    limiter.lease(slots, max, ttl, id).await
+                })
                 .await
             {
                 Ok(lease) => lease,
@@ -595,25 +610,41 @@ where
         })
     }
 
-    /// The request's limiter for `limits`, waiting up to the longest of their waits (as
-    /// it is, when none waits, or it cannot: logged).
-    fn waiting(&self, limits: &[LimitName]) -> Limiter<C> {
+    /// Asks `ask` of the limiter waiting up to the longest of `limits`' waits (or of the
+    /// limiter as it is, when none waits, or it cannot: logged). A waiting call that
+    /// finds no connection for waits free (`Error::Busy`: `max_waiting` calls wait
+    /// already) is asked again at once without waiting, as the server answers a call
+    /// beyond its `MAX-WAITERS`: a 200 or a 429 then, not a 503.
+    async fn ask<T, F, Fut>(&self, limits: &[LimitName], ask: F) -> Result<T, Error>
+    where
+        F: Fn(Limiter<C>) -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let Some(waiting) = self.waiting(limits) else {
+            return ask(self.limiter.clone()).await;
+        };
+        match ask(waiting).await {
+            Err(Error::Busy(_)) => ask(self.limiter.clone()).await,
+            answer => answer,
+        }
+    }
+
+    /// The request's limiter waiting up to the longest of `limits`' waits, if any
+    /// waits and it can (else logged).
+    fn waiting(&self, limits: &[LimitName]) -> Option<Limiter<C>> {
         let wait = limits
             .iter()
             .filter_map(|limit| self.config.limits[limit.index()].wait)
-            .max();
-        let Some(wait) = wait else {
-            return self.limiter.clone();
-        };
+            .max()?;
         match self.limiter.with_wait(wait) {
-            Ok(waiting) => waiting,
+            Ok(waiting) => Some(waiting),
             Err(error) => {
                 let left_out =
                     lock(&self.config.unavailable_log).due(Instant::now(), Duration::from_secs(1));
                 if left_out.is_some() {
                     log::warn!(target: "qag_client", "request {} does not wait: {error}", self.request_id);
                 }
-                self.limiter.clone()
+                None
             }
         }
     }

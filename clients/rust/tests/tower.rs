@@ -990,6 +990,60 @@ async fn a_request_waits_for_its_turn_instead_of_a_429() {
     assert_eq!(without_request_id(&body), without_request_id(&plain_body));
 }
 
+/// With every connection for waits taken (`--max-waiting 1`), a request that would wait
+/// is answered as without a wait, as the server answers one beyond MAX-WAITERS: a 429
+/// with the bucket's fields, not a 503 (it was: `Error::Busy`). A wait longer than the
+/// deadline (0.5 s) is waited whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_beyond_max_waiting_is_answered_at_once() {
+    if external("a_request_beyond_max_waiting_is_answered_at_once") {
+        return;
+    }
+    let _timed = Cores::shared();
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let flags = ["--key-limit", "2/4", "--wait", "3000", "--max-waiting", "1"];
+    let gateway = Gateway::start(&server, &flags);
+    let url = gateway.url("key=acme~full");
+    for _ in 0..2 {
+        assert_eq!(get(&url).await.0, 200);
+    }
+    let waiting = tokio::spawn({
+        let url = url.clone();
+        async move { get(&url).await } // its token in 2 s
+    });
+    while info_field(&mut con, "qag_waiters") < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started = Instant::now();
+    let (status, fields, body) = get(&url).await;
+    let took = started.elapsed();
+    assert_eq!(status, 429, "{body}");
+    assert!(body.contains(r#""code":"rate_limited""#), "{body}");
+    assert!(
+        fields.contains(&"x-ratelimit-key-remaining=0".to_string()),
+        "{fields:?}"
+    );
+    // Its queue time for a connection (the deadline, 0.5 s), then an answer at once.
+    assert!(took < Duration::from_millis(1500), "{took:?}");
+    let (status, fields, _) = waiting.await.unwrap();
+    assert_eq!(status, 200, "{fields:?}");
+    assert!(
+        fields
+            .iter()
+            .any(|f| f.starts_with("server-timing=qag-wait")),
+        "{fields:?}"
+    );
+}
+
+fn info_field(con: &mut Connection, name: &str) -> u64 {
+    let info: String = cmd("INFO").arg("qag").query(con).unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in INFO"))
+}
+
 /// 200 requests at once, with the module and without it: every answer a 200 or a 429
 /// with one of the layer's bodies (none a 5xx), and no limit exceeded: the key's bucket
 /// spends a token per request that got through (a slot or tokens refused give theirs

@@ -49,6 +49,7 @@ from ._policy import LogEvery
 from .answers import Refusal
 from .decisions import (
     Decision,
+    QagBusy,
     QagError,
     QagRefused,
     Quota,
@@ -370,19 +371,19 @@ class Limiting:
         # The buckets, taken together, wait up to the longer of their waits.
         wait = max((waits[side] for side in ("client", "key") if side in waits), default=None)
         if self.quota_key is not None and quota is not None:
-            taken = yield Call(
-                "take_with_quota", (client_bucket, key_bucket, self.quota_key, quota), wait
+            taken = yield from _asked(
+                Call("take_with_quota", (client_bucket, key_bucket, self.quota_key, quota), wait)
             )
             self.client, self.key = taken.client, taken.key
             # Whatever the buckets say: a refusal shows what is left of the quota.
             self.quota = taken.quota
         elif client_bucket is not None and key_bucket is not None:
-            pair = yield Call("take_pair", (client_bucket, key_bucket), wait)
+            pair = yield from _asked(Call("take_pair", (client_bucket, key_bucket), wait))
             self.client, self.key = pair.client, pair.key
         elif client_bucket is not None:
-            self.client = yield Call("take", (client_bucket,), wait)
+            self.client = yield from _asked(Call("take", (client_bucket,), wait))
         elif key_bucket is not None:
-            self.key = yield Call("take", (key_bucket,), wait)
+            self.key = yield from _asked(Call("take", (key_bucket,), wait))
         self._count("client", self.client)
         if self.client is not None and not self.client.allowed:
             if not self._shadowed("client"):
@@ -410,10 +411,12 @@ class Limiting:
             slots = f"qag:running:{self.api_key}"
             max_slots = self.limits.max_concurrent
             try:
-                self.lease = yield Call(
-                    "lease",
-                    (slots, max_slots, self.config.lease_ttl_ms, self.id),
-                    waits.get("concurrency"),
+                self.lease = yield from _asked(
+                    Call(
+                        "lease",
+                        (slots, max_slots, self.config.lease_ttl_ms, self.id),
+                        waits.get("concurrency"),
+                    )
                 )
             except QagRefused as refused:
                 self.slot_waited = refused.waited
@@ -538,6 +541,19 @@ def _with_remaining(decision: Decision, remaining: int) -> Decision:
     from dataclasses import replace
 
     return replace(decision, remaining=remaining)
+
+
+def _asked(call: Call) -> Step:
+    """``call``, asked again at once without its wait when this process has no
+    connection for waiting calls free (``QagBusy``: ``max_waiting`` calls wait already),
+    as the server answers a call beyond its ``MAX-WAITERS``: a 200 or a 429 then, not a
+    503."""
+    try:
+        return (yield call)
+    except QagBusy:
+        if call.wait is None:
+            raise
+        return (yield Call(call.method, call.arguments))
 
 
 def drive_sync(limiter: Any, step: Step, budget: Budget) -> Any:
