@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, ConnectionInfo, RedisResult};
+use redis::{AsyncConnectionConfig, ConnectionInfo, ErrorKind, RedisResult, ServerErrorKind};
 use tokio::sync::Semaphore;
 
 use crate::error::{classify, Error, Failure};
@@ -69,7 +69,10 @@ impl WaitConnections {
     }
 
     /// Sends `send` on a connection of its own to `node` ("" on a single server); a
-    /// free place within `queue` (else `Error::Busy`: this process's overload).
+    /// free place within `queue` (else `Error::Busy`: this process's overload). Sent
+    /// once more after READONLY on a fresh connection, the node's kept ones dropped: a
+    /// primary demoted by a failover ran nothing, and the address may lead to the new
+    /// one now (a second READONLY is the outage).
     pub(crate) async fn send<T, F, Fut>(
         &self,
         node: &str,
@@ -77,29 +80,42 @@ impl WaitConnections {
         send: F,
     ) -> Result<T, Failure>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: Fn(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = RedisResult<T>>,
     {
-        let busy = || {
-            Failure::Error(Error::Busy(format!(
-                "no connection for a waiting call free within {queue:?}: {} wait already",
-                self.most
-            )))
-        };
         let _permit = match tokio::time::timeout(queue, self.permits.acquire()).await {
             Ok(Ok(permit)) => permit,
-            _ => return Err(busy()),
+            _ => {
+                return Err(Failure::Error(Error::Busy(format!(
+                    "no connection for a waiting call free within {queue:?}: {} wait already",
+                    self.most
+                ))))
+            }
         };
+        let answer = match self.send_once(node, &send).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) => {
+                log::debug!(target: "qag_client", "a demoted primary, once more: {error}");
+                lock(&self.idle).remove(node);
+                self.send_once(node, &send).await
+            }
+            answer => answer,
+        };
+        answer.map_err(|error| classify(&error))
+    }
+
+    /// `send` on a kept connection to `node`, or a new one.
+    async fn send_once<T, F, Fut>(&self, node: &str, send: &F) -> RedisResult<T>
+    where
+        F: Fn(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = RedisResult<T>>,
+    {
         let kept = lock(&self.idle).get_mut(node).and_then(Vec::pop);
         let connection = match kept {
             Some(connection) => connection,
             None => {
-                let info = (self.address)(node).map_err(|error| classify(&error))?;
-                redis::Client::open(info)
-                    .map_err(|error| classify(&error))?
+                redis::Client::open((self.address)(node)?)?
                     .get_multiplexed_async_connection_with_config(&self.config)
-                    .await
-                    .map_err(|error| classify(&error))?
+                    .await?
             }
         };
         let mut held = Held {
@@ -109,13 +125,17 @@ impl WaitConnections {
             answered: false,
         };
         let reply = send(connection).await;
-        // An error reply leaves the connection as good as an answer; a failed one not.
+        // An error reply leaves the connection as good as an answer; a failed one, or
+        // one to a demoted primary, not.
         held.answered = match &reply {
             Ok(_) => true,
             Err(error) => {
-                !(error.is_io_error() || error.is_timeout() || error.is_connection_dropped())
+                !(error.is_io_error()
+                    || error.is_timeout()
+                    || error.is_connection_dropped()
+                    || error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly))
             }
         };
-        reply.map_err(|error| classify(&error))
+        reply
     }
 }

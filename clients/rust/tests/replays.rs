@@ -669,7 +669,8 @@ fn caught_up(primary: &mut Connection, replica: &mut Connection) {
 /// name or a managed endpoint) moved to the new primary: the old primary, demoted,
 /// answers READONLY to the calls it held, each is sent once more on a fresh connection
 /// and answered there. Every call is answered, each counted once (the tokens taken
-/// and the quota's count are what the callers were told).
+/// and the quota's count are what the callers were told). A fifth of the callers take
+/// with a wait, on connections of their own, which follow the failover alike.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_demoted_primary_is_a_failover_not_an_error() {
     if external("a_demoted_primary_is_a_failover_not_an_error") {
@@ -688,18 +689,24 @@ async fn a_demoted_primary_is_a_failover_not_an_error() {
     };
     let quota_key = "qag:quota:{acme~failover}";
     let running = Arc::new(AtomicBool::new(true));
+    let waiting = limiter.with_wait(Duration::from_secs(1)).unwrap();
     let callers: Vec<_> = (0..50)
-        .map(|_| {
+        .map(|n| {
             let (limiter, bucket, quota, running) = (
                 limiter.clone(),
                 bucket.clone(),
                 quota.clone(),
                 running.clone(),
             );
+            let taking = if n % 5 == 0 {
+                waiting.clone()
+            } else {
+                limiter.clone()
+            };
             tokio::spawn(async move {
                 let (mut taken, mut added) = (0u64, 0u64);
                 while running.load(Ordering::SeqCst) {
-                    let decision = limiter.take(&bucket, 1).await.unwrap();
+                    let decision = taking.take(&bucket, 1).await.unwrap();
                     assert_eq!(decision.answered_by, AnsweredBy::Module);
                     taken += u64::from(decision.allowed);
                     limiter.quota_add(quota_key, &quota, 1, 0).await.unwrap();
