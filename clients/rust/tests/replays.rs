@@ -228,6 +228,44 @@ async fn a_call_whose_reply_is_lost_is_replayed_and_counts_once() {
         );
     }
 
+    // A pair without an id: replayed, both buckets charged again (stricter by one).
+    let relay = Relay::new(server.port, "QAG.TAKE2", None);
+    let limiter = limiter_at(&relay.url(), deadline).await;
+    let (client, key) = (
+        Bucket::named("client", 10, 3600.0, "203.0.113.10"),
+        Bucket::named("key", 10, 3600.0, "acme~pair-no-id"),
+    );
+    let pair = limiter.take_pair(&client, &key, 1).await.unwrap();
+    assert_eq!(relay.dropped.load(Ordering::SeqCst), 1);
+    assert!(pair.allowed());
+    assert_eq!(pair.key.map(|key| key.remaining), Some(8));
+    assert_eq!(command_calls(&mut con, "qag.take2"), 4);
+    for bucket in [&client, &key] {
+        assert_eq!(tokens(&mut con, bucket.key()), 8, "{}", bucket.key());
+    }
+
+    // An admission without an id (no reservation): replayed, the request counted twice
+    // on its window, never admitted beyond its rpm.
+    let relay = Relay::new(server.port, "QAG.ADMIT", None);
+    let limiter = limiter_at(&relay.url(), deadline).await;
+    let window = "qag:win:{acme}:admit-no-id";
+    let rpm = Scope {
+        key: window.into(),
+        rpm: 2,
+        tpm: 0,
+    };
+    let admission = limiter
+        .admit(std::slice::from_ref(&rpm), None)
+        .await
+        .unwrap();
+    assert_eq!(relay.dropped.load(Ordering::SeqCst), 1);
+    assert!(admission.admitted);
+    assert_eq!(admission.requests_remaining, Some(0));
+    assert_eq!(counted(&mut con, window, "req:"), 2, "stricter by one");
+    let next = limiter.admit(&[rpm], None).await.unwrap();
+    assert!(!next.admitted, "never more than the rpm");
+    let admits = command_calls(&mut con, "qag.admit");
+
     let relay = Relay::new(server.port, "QAG.QUOTA.ADD", None);
     let limiter = limiter_at(&relay.url(), deadline).await;
     let usage = limiter
@@ -253,7 +291,7 @@ async fn a_call_whose_reply_is_lost_is_replayed_and_counts_once() {
     assert_eq!(relay.dropped.load(Ordering::SeqCst), 1);
     assert!(reservation.admitted());
     assert_eq!(reservation.admission().tokens_remaining, Some(900));
-    assert_eq!(command_calls(&mut con, "qag.admit"), 2);
+    assert_eq!(command_calls(&mut con, "qag.admit"), admits + 2);
     assert_eq!(counted(&mut con, window, "req:"), 1, "one request admitted");
     assert_eq!(held(&mut con, window), 100, "one hold");
 
