@@ -676,6 +676,18 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .arg(&["PARTIAL", "WINDOW"])
             .arg(lifetime)
             .clone(),
+        // The last reservation's id on another chain first (its id remembered in the
+        // same first key): a plain record there, and the commit on the reservation's
+        // own chain still closes it (issue 38).
+        cmd("QAG.RECORD")
+            .arg(2)
+            .arg(&["qag:win:{t}:model", "qag:win:{t}:org"])
+            .arg(5)
+            .arg("ID")
+            .arg(format!("m{}", round.saturating_sub(1)))
+            .arg("WINDOW")
+            .arg(lifetime)
+            .clone(),
         cmd("QAG.RECORD")
             .arg(1)
             .arg("qag:win:{t}:model")
@@ -684,6 +696,12 @@ pub fn mixed_round(con: &mut Connection, round: u64, lifetime: u64) {
             .arg(format!("m{}", round.saturating_sub(1)))
             .arg("WINDOW")
             .arg(lifetime)
+            .clone(),
+        // A hold a day ahead, which no reservation writes: read as gone (issue 38).
+        cmd("HSET")
+            .arg("qag:win:{t}:org")
+            .arg("holds")
+            .arg(format!("9000 {}", unix_ms() + 86_400_000))
             .clone(),
         // Quantities 0 (a peek) to 2 against a burst of 3, refilled slowly enough that
         // both keys outlive the round.
@@ -759,14 +777,19 @@ pub fn counted(con: &mut redis::Connection, key: &str, prefix: &str) -> i64 {
         .sum()
 }
 
+/// The wall clock in milliseconds.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
 /// The tokens a scope holds for open reservations now (`holds`: `<tokens> <until ms>`
 /// groups; a group past its time counts no more).
 pub fn held(con: &mut redis::Connection, key: &str) -> i64 {
     let holds: Option<String> = redis::cmd("HGET").arg(key).arg("holds").query(con).unwrap();
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64;
+    let now_ms = unix_ms() as i64;
     let words: Vec<i64> = holds
         .unwrap_or_default()
         .split_whitespace()
