@@ -87,6 +87,42 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     assert take_calls(server) == 6
 
 
+def test_a_waiting_call_on_a_stopped_server_costs_its_wait_and_one_deadline(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    stop: Callable[[Server], None],
+    timing: None,
+) -> None:
+    """A call that may wait cannot tell a stopped server from one holding it on purpose:
+    it gives up after its wait and one deadline, then the policy answers it (locally:
+    from Redis's last word, a drained bucket), and during the back-off every call,
+    waiting or not, is answered at once. Once the server continues nothing stays
+    waiting on it."""
+    server = start_server()
+    limiter = make_limiter(server, deadline=DEADLINE, on_unavailable="local", back_off=1.0)
+    bucket = Bucket("qag:wait-stop", 1, 3600)
+    assert limiter.take(bucket).allowed  # drained, as Redis last said
+    # A connection for waits kept from a call answered at once (and the module's
+    # presence, which a new connection makes the limiter ask again, asked by a call
+    # after it): the stopped server's wait is then a WAIT sent and never answered.
+    other = Bucket("qag:wait-other", 5, 3600)
+    assert limiter.take(other, wait=1.0).allowed and limiter.take(other).allowed
+    stop(server)
+    started = time.monotonic()
+    decision = limiter.take(bucket, wait=1.0)
+    took = time.monotonic() - started
+    assert (decision.answered_by, decision.allowed) == ("local", False)
+    assert 1.0 + DEADLINE - 0.01 <= took < 1.0 + WITHIN_ONE_DEADLINE, took
+    started = time.monotonic()
+    decision = limiter.take(bucket, wait=1.0)
+    assert time.monotonic() - started < DEADLINE / 2
+    assert (decision.answered_by, decision.allowed) == ("local", False)
+    os.kill(server.process.pid, signal.SIGCONT)
+    time.sleep(1.0)  # the back-off ends: the next call starts the probe
+    until_redis(lambda: limiter.take(other))
+    assert server.client().info("qag")["qag_waiters"] == 0
+
+
 def until_redis(call: Callable[[], Decision]) -> float:
     """Calls until Redis answers (within 2 s): the longest call."""
     longest, given_up = 0.0, time.monotonic() + 2.0

@@ -243,6 +243,68 @@ async fn an_outage_costs_one_deadline_per_back_off_under_every_policy() {
     }
 }
 
+/// A call that may wait cannot tell a stopped server from one holding it on purpose: it
+/// gives up after its wait and one deadline, then the policy answers it (locally: from
+/// Redis's last word, a drained bucket), and during the back-off every call, waiting or
+/// not, is answered at once. Once the server continues nothing stays waiting on it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiting_call_on_a_stopped_server_costs_its_wait_and_one_deadline() {
+    if external("a_waiting_call_on_a_stopped_server_costs_its_wait_and_one_deadline") {
+        return;
+    }
+    let _timed = Cores::shared();
+    let server = Server::start(&ServerOptions::default());
+    let options = Options {
+        back_off: Duration::from_secs(1),
+        ..policy(OnUnavailable::Local)
+    };
+    let limiter = limiter(&server, options).await;
+    let waiting = limiter.with_wait(Duration::from_secs(1)).unwrap();
+    let bucket = Bucket::with_key("qag:wait-stop", 1, 3600.0);
+    assert!(limiter.take(&bucket, 1).await.unwrap().allowed); // drained, as Redis last said
+                                                              // A connection for waits kept from a call answered at once: the stopped server's
+                                                              // wait is then a WAIT sent and never answered (a new connection would fail its
+                                                              // handshake within the deadline instead).
+    let other = Bucket::with_key("qag:wait-other", 5, 3600.0);
+    assert!(waiting.take(&other, 1).await.unwrap().allowed);
+    let mut stopped = Stopped::new(&server);
+    let started = Instant::now();
+    let decision = waiting.take(&bucket, 1).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(
+        (decision.answered_by, decision.allowed),
+        (AnsweredBy::Local, false)
+    );
+    let wait_and_deadline = Duration::from_secs(1) + DEADLINE;
+    assert!(
+        took >= wait_and_deadline - Duration::from_millis(10)
+            && took < wait_and_deadline + DEADLINE / 2,
+        "{took:?}"
+    );
+    let started = Instant::now();
+    let decision = waiting.take(&bucket, 1).await.unwrap();
+    assert!(started.elapsed() < DEADLINE / 2, "{:?}", started.elapsed());
+    assert_eq!(
+        (decision.answered_by, decision.allowed),
+        (AnsweredBy::Local, false)
+    );
+    stopped.resume();
+    let resumed = Instant::now();
+    loop {
+        if limiter.take(&other, 1).await.unwrap().answered_by == AnsweredBy::Module {
+            break;
+        }
+        assert!(
+            resumed.elapsed() < Duration::from_secs(3),
+            "still not Redis"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut con = server.client().get_connection().unwrap();
+    let info: String = cmd("INFO").arg("qag").query(&mut con).unwrap();
+    assert!(info.contains("qag_waiters:0"), "{info}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn local_counting_never_multiplies_a_limit() {
     if external("local_counting_never_multiplies_a_limit") {
