@@ -2,7 +2,8 @@
 //! from many connections and from two client processes; a waiter gone or unblocked
 //! giving back what it was charged; leases given to waiters on a release, when a
 //! lease runs out and when another command frees a slot; TAKE2 and THROTTLE; MULTI, scripts and MAX-WAITERS answering at once;
-//! the charge and the give-back replicated as effects; a replay after a failover
+//! the charge and the give-back replicated as effects and replayed from the AOF (with
+//! the module or without it); a replay after a failover
 //! charged once; the script reading a bucket its waiters charged ahead.
 
 mod common;
@@ -608,6 +609,57 @@ fn charges_and_give_backs_replicate_as_effects() {
     synced(&mut p, &mut r);
     let back: f64 = cmd("HGET").arg("b").arg("tokens").query(&mut r).unwrap();
     assert!(back > -0.1, "the give-back reached the replica: {back}");
+}
+
+/// Issue 36: the AOF holds a waiter's charge and its give-back as the plain writes
+/// they are: a server without the module replays it into the same data, and so does
+/// one with the module.
+#[test]
+fn charges_and_give_backs_replay_from_the_aof_without_the_module() {
+    if external("charges_and_give_backs_replay_from_the_aof_without_the_module") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("qag-wait-aof-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let options = |without_module| ServerOptions {
+        without_module,
+        dir: Some(dir.clone()),
+        extra: ["--appendonly", "yes", "--appendfsync", "always"]
+            .map(String::from)
+            .to_vec(),
+        ..Default::default()
+    };
+    let server = Server::start(&options(false));
+    let mut con = server.client().get_connection().unwrap();
+    ints(&mut con, &["QAG.TAKE", "b", "1", "10"]);
+    let waiter = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    {
+        use std::io::Write;
+        (&waiter)
+            .write_all(b"*6\r\n$8\r\nQAG.TAKE\r\n$1\r\nb\r\n$1\r\n1\r\n$2\r\n10\r\n$4\r\nWAIT\r\n$5\r\n30000\r\n")
+            .unwrap();
+    }
+    until_info(&mut con, "waiters", 1);
+    let owed: f64 = cmd("HGET").arg("b").arg("tokens").query(&mut con).unwrap();
+    assert!(owed < -0.9, "charged on arrival: {owed}");
+    drop(waiter);
+    until_info(&mut con, "wait_given_back", 1);
+    let written = dataset(&mut con);
+    let tokens: f64 = cmd("HGET").arg("b").arg("tokens").query(&mut con).unwrap();
+    assert!(tokens > -0.1, "given back: {tokens}");
+    server.shutdown();
+    for without_module in [true, false] {
+        let server = Server::start(&options(without_module));
+        let mut con = server.client().get_connection().unwrap();
+        assert_eq!(
+            dataset(&mut con),
+            written,
+            "without the module: {without_module}"
+        );
+        server.shutdown();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Issue 36: a waiter with an id whose primary is killed, replayed with its id on the
