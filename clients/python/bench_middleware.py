@@ -131,6 +131,8 @@ def main() -> None:
     )  # fmt: skip
     try:
         while True:
+            if server.poll() is not None:  # e.g. no module at that path
+                raise SystemExit(f"{server.args[0]} exited ({server.returncode}), module {module}")
             try:
                 redis.Redis(port=port).ping()
                 break
