@@ -112,7 +112,7 @@ fi
 what_failed() { # kind log
   case $1 in
   python | python-oldest)
-    sed -n '/= FAILURES =/,$p' "$2" | grep -E '^(_{3,} |E  |[^ ].*:[0-9]+: [A-Za-z]|FAILED |ERROR |=+ [0-9]+ (passed|failed))' ;;
+    sed -n '/= \(ERRORS\|FAILURES\) =/,$p' "$2" | grep -E '^(_{3,} |E  |[^ ].*:[0-9]+: [A-Za-z]|FAILED |ERROR |[0-9]+ (passed|failed|error))' ;;
   rust)
     sed -n '/^failures:$/,/^test result: FAILED/p' "$2" | grep -vE '^ +([0-9]+: |at )' ;;
   *) tail -n 40 "$2" ;;

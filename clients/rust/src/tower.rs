@@ -26,7 +26,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -342,6 +342,7 @@ where
     S::Error: Send,
     B: Send + 'static,
     R: Body<Data = Bytes> + Unpin + Send + 'static,
+    R::Error: Send,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     type Response = Response<LimitedBody<R>>;
@@ -404,6 +405,8 @@ where
     /// How long the request waited for its slot (`WAIT`).
     slot_waited: Duration,
     guard: Option<LeaseGuard<C>>,
+    /// A HEAD request: its body is never sent, so its end is the handler's answer.
+    head: bool,
 }
 
 impl<'a, C> Limited<'a, C>
@@ -438,6 +441,7 @@ where
             _ => None,
         };
         Limited {
+            head: parts.method == http::Method::HEAD,
             base: limiter,
             limiter: view,
             config,
@@ -758,7 +762,7 @@ where
         headers
     }
 
-    fn refuse<R>(&self, refusal: Refusal) -> Response<LimitedBody<R>> {
+    fn refuse<R: Body>(&self, refusal: Refusal) -> Response<LimitedBody<R>> {
         let mut headers = self.headers(self.quota.as_ref()).header_map();
         headers.remove("retry-after");
         if let Some(seconds) = refusal.retry_after() {
@@ -776,7 +780,7 @@ where
 
     /// The handler answered: the call (and the rows reported so far) is added to the
     /// quota, the headers are set, and the slot is held until the body's end.
-    async fn answered<R>(
+    async fn answered<R: Body<Data = Bytes> + Unpin>(
         mut self,
         response: Response<R>,
         rows: ReportRows,
@@ -797,15 +801,51 @@ where
         let mut fields = self.headers(quota_after.as_ref()).header_map();
         // Admitted: a refusal a limit in shadow let through asks no wait.
         fields.remove("retry-after");
-        let (mut parts, body) = response.into_parts();
+        let (mut parts, mut body) = response.into_parts();
         parts.headers.extend(fields);
-        let at_end = AtEnd {
+        let at_end = Box::new(AtEnd {
             guard: self.guard.take(),
             // Its own id: a second add with the request's would be a replay.
             rows: quota.map(|(key, quota)| (self.base.clone(), key, quota, rows)),
-        };
-        Response::from_parts(parts, LimitedBody::answer(body, Box::new(at_end)))
+        });
+        let (whole, first) = first_frame(&mut body);
+        if !(whole || self.head) {
+            let at_end: Box<dyn EndsWithBody> = at_end;
+            return Response::from_parts(parts, LimitedBody::answer(body, first, Some(at_end)));
+        }
+        // A body whole already (most answers: a frame or none), or never sent: it ends
+        // here, before its headers go out. Held back until then, its last frame would
+        // go out in a write of its own, which Nagle's algorithm and the client's
+        // delayed ACK hold about 40 ms on a kept-alive connection.
+        if let Some(end) = at_end.end() {
+            drop(end.await);
+        }
+        Response::from_parts(parts, LimitedBody::answer(body, first, None))
     }
+}
+
+/// The body's first frame if it is ready now (polled once, without a waker: the server
+/// polls again with its own), and whether the body is whole with it.
+fn first_frame<R: Body<Data = Bytes> + Unpin>(body: &mut R) -> (bool, Option<First<R::Error>>) {
+    if body.is_end_stream() {
+        return (true, None);
+    }
+    let mut cx = Context::from_waker(Waker::noop());
+    match Pin::new(&mut *body).poll_frame(&mut cx) {
+        Poll::Pending => (false, None),
+        Poll::Ready(None) => (true, Some(First::Ended)),
+        Poll::Ready(Some(Ok(frame))) => {
+            let whole = frame.is_trailers() || body.is_end_stream();
+            (whole, Some(First::Frame(Ok(frame))))
+        }
+        Poll::Ready(Some(Err(error))) => (false, Some(First::Frame(Err(error)))),
+    }
+}
+
+/// What `first_frame` took from a body, given out before the body is polled again.
+enum First<E> {
+    Frame(Result<Frame<Bytes>, E>),
+    Ended,
 }
 
 /// What ends with a response's body: the slot is released, and rows reported while it
@@ -886,22 +926,32 @@ where
 
 /// A response body through the layer: the handler's, holding what must end with it
 /// (see `AtEnd`), or a refusal's JSON.
-pub struct LimitedBody<B>(BodyState<B>);
+pub struct LimitedBody<B: Body>(BodyState<B>);
 
-enum BodyState<B> {
+enum BodyState<B: Body> {
     Answer {
         body: B,
+        /// What the layer polled from the body before the server did.
+        first: Option<First<B::Error>>,
+        /// The body returned its end.
+        ended: bool,
         at_end: Option<Box<dyn EndsWithBody>>,
         ending: Option<Ending>,
     },
     Refusal(Option<Bytes>),
 }
 
-impl<B> LimitedBody<B> {
-    fn answer(body: B, at_end: Box<dyn EndsWithBody>) -> Self {
+impl<B: Body> LimitedBody<B> {
+    fn answer(
+        body: B,
+        first: Option<First<B::Error>>,
+        at_end: Option<Box<dyn EndsWithBody>>,
+    ) -> Self {
         LimitedBody(BodyState::Answer {
             body,
-            at_end: Some(at_end),
+            first,
+            ended: false,
+            at_end,
             ending: None,
         })
     }
@@ -911,7 +961,10 @@ impl<B> LimitedBody<B> {
     }
 }
 
-impl<B> std::fmt::Debug for LimitedBody<B> {
+// No field is pinned: the handler's body is `Unpin`, the rest is moved freely.
+impl<B: Body> Unpin for LimitedBody<B> {}
+
+impl<B: Body> std::fmt::Debug for LimitedBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.0 {
             BodyState::Answer { at_end, .. } => f
@@ -931,12 +984,14 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let (body, at_end, ending) = match &mut self.get_mut().0 {
+        let (body, first, ended, at_end, ending) = match &mut self.get_mut().0 {
             BodyState::Answer {
                 body,
+                first,
+                ended,
                 at_end,
                 ending,
-            } => (body, at_end, ending),
+            } => (body, first, ended, at_end, ending),
             BodyState::Refusal(bytes) => {
                 return Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b))))
             }
@@ -950,15 +1005,21 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
                 *ending = None;
                 return Poll::Ready(last.map(Ok));
             }
-            let frame = match Pin::new(&mut *body).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(frame) => frame,
+            let frame = match first.take() {
+                Some(First::Frame(frame)) => Some(frame),
+                Some(First::Ended) => None,
+                None if *ended => None,
+                None => match Pin::new(&mut *body).poll_frame(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(frame) => frame,
+                },
             };
-            // The last frame (or the end) waits for the slot's release: the server may
-            // stop polling once the body says it ended.
+            *ended |= frame.is_none();
+            // The last frame (or the end) waits for the slot's release: the server stops
+            // polling once the body says it ended, or after trailers.
             let last = match frame {
                 None => None,
-                Some(Ok(frame)) if body.is_end_stream() => Some(frame),
+                Some(Ok(frame)) if frame.is_trailers() || body.is_end_stream() => Some(frame),
                 other => return Poll::Ready(other),
             };
             match at_end.take().and_then(|at_end| at_end.end()) {
@@ -973,16 +1034,46 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
             // Not while the end is still to be awaited (an empty body included).
             BodyState::Answer {
                 body,
+                first,
+                ended,
                 at_end,
                 ending,
-            } => at_end.is_none() && ending.is_none() && body.is_end_stream(),
+            } => {
+                at_end.is_none()
+                    && ending.is_none()
+                    && match first {
+                        Some(First::Frame(_)) => false,
+                        Some(First::Ended) => true,
+                        None => *ended || body.is_end_stream(),
+                    }
+            }
             BodyState::Refusal(bytes) => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.0 {
-            BodyState::Answer { body, .. } => body.size_hint(),
+            BodyState::Answer {
+                body, first, ended, ..
+            } => {
+                let mut hint = match first {
+                    Some(First::Ended) => SizeHint::with_exact(0),
+                    _ if *ended => SizeHint::with_exact(0),
+                    _ => body.size_hint(),
+                };
+                // The bytes taken out of the body before the server polled it.
+                if let Some(First::Frame(Ok(frame))) = first {
+                    let taken = frame.data_ref().map_or(0, |data| data.len() as u64);
+                    let upper = hint.upper().map(|upper| upper + taken);
+                    let lower = hint.lower() + taken;
+                    hint = SizeHint::new();
+                    hint.set_lower(lower);
+                    if let Some(upper) = upper {
+                        hint.set_upper(upper);
+                    }
+                }
+                hint
+            }
             BodyState::Refusal(bytes) => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }

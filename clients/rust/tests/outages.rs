@@ -261,10 +261,11 @@ async fn a_waiting_call_on_a_stopped_server_costs_its_wait_and_one_deadline() {
     let limiter = limiter(&server, options).await;
     let waiting = limiter.with_wait(Duration::from_secs(1)).unwrap();
     let bucket = Bucket::with_key("qag:wait-stop", 1, 3600.0);
-    assert!(limiter.take(&bucket, 1).await.unwrap().allowed); // drained, as Redis last said
-                                                              // A connection for waits kept from a call answered at once: the stopped server's
-                                                              // wait is then a WAIT sent and never answered (a new connection would fail its
-                                                              // handshake within the deadline instead).
+    // Drained, as Redis last said.
+    assert!(limiter.take(&bucket, 1).await.unwrap().allowed);
+    // A connection for waits kept from a call answered at once: the stopped server's
+    // wait is then a WAIT sent and never answered (a new connection would fail its
+    // handshake within the deadline instead).
     let other = Bucket::with_key("qag:wait-other", 5, 3600.0);
     assert!(waiting.take(&other, 1).await.unwrap().allowed);
     let mut stopped = Stopped::new(&server);
