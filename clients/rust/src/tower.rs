@@ -880,6 +880,9 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     fn end(mut self: Box<Self>) -> Option<JoinHandle<()>> {
+        if self.guard.is_none() && self.rows.is_none() {
+            return None; // nothing to end: no task
+        }
         let runtime = tokio::runtime::Handle::try_current().ok()?;
         let guard = self.guard.take();
         let rows = self.rows.take();
