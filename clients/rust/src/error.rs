@@ -131,6 +131,18 @@ pub(crate) enum Failure {
     Error(Error),
 }
 
+/// A primary demoted by a failover, the connection still on it (READONLY): it ran
+/// nothing.
+pub(crate) fn demoted(error: &RedisError) -> bool {
+    error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+}
+
+/// A connection that failed this way is of no more use: it broke, timed out, or
+/// reaches a demoted primary.
+pub(crate) fn connection_spent(error: &RedisError) -> bool {
+    error.is_io_error() || error.is_connection_dropped() || error.is_timeout() || demoted(error)
+}
+
 pub(crate) fn classify(error: &RedisError) -> Failure {
     let reason = Reason::from_redis(error);
     match error.kind() {

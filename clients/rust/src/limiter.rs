@@ -12,11 +12,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use qag_core::args::ArgError;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{cmd, Cmd, ErrorKind, FromRedisValue, ServerErrorKind, Value};
+use redis::{cmd, Cmd, FromRedisValue, Value};
 
 use crate::cluster::{common_slot, parse_slots, Kind, Topology};
 use crate::decision::AnsweredBy;
-use crate::error::{classify, Error, Failure};
+use crate::error::{classify, demoted, Error, Failure};
 use crate::ids::{check_id, new_request_id};
 use crate::local::LocalState;
 use crate::mutex::lock;
@@ -1047,7 +1047,7 @@ where
     {
         let (con, which) = self.link.con();
         match send(con).await {
-            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) => {
+            Err(error) if demoted(&error) => {
                 log::debug!(target: "qag_client", "a demoted primary, once more: {error}");
                 self.link.replace(which);
                 self.forget_presence();

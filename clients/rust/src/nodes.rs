@@ -18,6 +18,7 @@ use redis::{
 };
 
 use crate::cluster::{routing_key, slot_of, Topology};
+use crate::error::connection_spent;
 use crate::mutex::lock;
 
 /// Redirects one call follows before it gives up (a slot moving back and forth).
@@ -277,11 +278,7 @@ impl Router {
     /// A node that dropped a connection, failed to connect, or answered READONLY (a
     /// primary demoted, the address maybe moved): the next call makes a new connection.
     fn failed(&self, node: &str, error: &RedisError) {
-        if error.is_io_error()
-            || error.is_connection_dropped()
-            || error.is_timeout()
-            || error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
-        {
+        if connection_spent(error) {
             lock(&self.connections).remove(node);
             lock(&self.failed_at).insert(node.to_owned(), Instant::now());
         }

@@ -801,17 +801,17 @@ where
         let mut fields = self.headers(quota_after.as_ref()).header_map();
         // Admitted: a refusal a limit in shadow let through asks no wait.
         fields.remove("retry-after");
-        let (mut parts, mut body) = response.into_parts();
+        let (mut parts, body) = response.into_parts();
         parts.headers.extend(fields);
         let at_end = Box::new(AtEnd {
             guard: self.guard.take(),
             // Its own id: a second add with the request's would be a replay.
             rows: quota.map(|(key, quota)| (self.base.clone(), key, quota, rows)),
         });
-        let (whole, first) = first_frame(&mut body);
-        if !(whole || self.head) {
-            let at_end: Box<dyn EndsWithBody> = at_end;
-            return Response::from_parts(parts, LimitedBody::answer(body, first, Some(at_end)));
+        let mut body = LimitedBody::answer(body);
+        if !(body.whole_now() || self.head) {
+            body.end_with(at_end);
+            return Response::from_parts(parts, body);
         }
         // A body whole already (most answers: a frame or none), or never sent: it ends
         // here, before its headers go out. Held back until then, its last frame would
@@ -820,32 +820,8 @@ where
         if let Some(end) = at_end.end() {
             drop(end.await);
         }
-        Response::from_parts(parts, LimitedBody::answer(body, first, None))
+        Response::from_parts(parts, body)
     }
-}
-
-/// The body's first frame if it is ready now (polled once, without a waker: the server
-/// polls again with its own), and whether the body is whole with it.
-fn first_frame<R: Body<Data = Bytes> + Unpin>(body: &mut R) -> (bool, Option<First<R::Error>>) {
-    if body.is_end_stream() {
-        return (true, None);
-    }
-    let mut cx = Context::from_waker(Waker::noop());
-    match Pin::new(&mut *body).poll_frame(&mut cx) {
-        Poll::Pending => (false, None),
-        Poll::Ready(None) => (true, Some(First::Ended)),
-        Poll::Ready(Some(Ok(frame))) => {
-            let whole = frame.is_trailers() || body.is_end_stream();
-            (whole, Some(First::Frame(Ok(frame))))
-        }
-        Poll::Ready(Some(Err(error))) => (false, Some(First::Frame(Err(error)))),
-    }
-}
-
-/// What `first_frame` took from a body, given out before the body is polled again.
-enum First<E> {
-    Frame(Result<Frame<Bytes>, E>),
-    Ended,
 }
 
 /// What ends with a response's body: the slot is released, and rows reported while it
@@ -934,8 +910,8 @@ pub struct LimitedBody<B: Body>(BodyState<B>);
 enum BodyState<B: Body> {
     Answer {
         body: B,
-        /// What the layer polled from the body before the server did.
-        first: Option<First<B::Error>>,
+        /// The frame the layer polled from the body before the server did.
+        first: Option<Result<Frame<Bytes>, B::Error>>,
         /// The body returned its end.
         ended: bool,
         at_end: Option<Box<dyn EndsWithBody>>,
@@ -945,22 +921,55 @@ enum BodyState<B: Body> {
 }
 
 impl<B: Body> LimitedBody<B> {
-    fn answer(
-        body: B,
-        first: Option<First<B::Error>>,
-        at_end: Option<Box<dyn EndsWithBody>>,
-    ) -> Self {
+    fn answer(body: B) -> Self {
         LimitedBody(BodyState::Answer {
             body,
-            first,
+            first: None,
             ended: false,
-            at_end,
+            at_end: None,
             ending: None,
         })
     }
 
     fn refusal(bytes: Bytes) -> Self {
         LimitedBody(BodyState::Refusal(Some(bytes)))
+    }
+
+    /// What ends with the body, before its end goes out.
+    fn end_with(&mut self, end: Box<dyn EndsWithBody>) {
+        if let BodyState::Answer { at_end, .. } = &mut self.0 {
+            *at_end = Some(end);
+        }
+    }
+}
+
+impl<B: Body<Data = Bytes> + Unpin> LimitedBody<B> {
+    /// Whether the body is whole now: polled once if need be (without a waker: the
+    /// server polls again with its own), what it gave kept for the server.
+    fn whole_now(&mut self) -> bool {
+        let BodyState::Answer {
+            body, first, ended, ..
+        } = &mut self.0
+        else {
+            return true;
+        };
+        if body.is_end_stream() {
+            return true;
+        }
+        match Pin::new(&mut *body).poll_frame(&mut Context::from_waker(Waker::noop())) {
+            Poll::Pending => false,
+            Poll::Ready(None) => {
+                *ended = true;
+                true
+            }
+            Poll::Ready(Some(frame)) => {
+                let whole = frame
+                    .as_ref()
+                    .is_ok_and(|frame| frame.is_trailers() || body.is_end_stream());
+                *first = Some(frame);
+                whole
+            }
+        }
     }
 }
 
@@ -1009,8 +1018,7 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
                 return Poll::Ready(last.map(Ok));
             }
             let frame = match first.take() {
-                Some(First::Frame(frame)) => Some(frame),
-                Some(First::Ended) => None,
+                Some(frame) => Some(frame),
                 None if *ended => None,
                 None => match Pin::new(&mut *body).poll_frame(cx) {
                     Poll::Pending => return Poll::Pending,
@@ -1044,11 +1052,8 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
             } => {
                 at_end.is_none()
                     && ending.is_none()
-                    && match first {
-                        Some(First::Frame(_)) => false,
-                        Some(First::Ended) => true,
-                        None => *ended || body.is_end_stream(),
-                    }
+                    && first.is_none()
+                    && (*ended || body.is_end_stream())
             }
             BodyState::Refusal(bytes) => bytes.is_none(),
         }
@@ -1059,16 +1064,16 @@ impl<B: Body<Data = Bytes> + Unpin> Body for LimitedBody<B> {
             BodyState::Answer {
                 body, first, ended, ..
             } => {
-                let mut hint = match first {
-                    Some(First::Ended) => SizeHint::with_exact(0),
-                    _ if *ended => SizeHint::with_exact(0),
-                    _ => body.size_hint(),
+                let mut hint = if *ended {
+                    SizeHint::with_exact(0)
+                } else {
+                    body.size_hint()
                 };
                 // The bytes taken out of the body before the server polled it.
-                if let Some(First::Frame(Ok(frame))) = first {
+                if let Some(Ok(frame)) = first {
                     let taken = frame.data_ref().map_or(0, |data| data.len() as u64);
-                    let upper = hint.upper().map(|upper| upper + taken);
-                    let lower = hint.lower() + taken;
+                    let upper = hint.upper().map(|upper| upper.saturating_add(taken));
+                    let lower = hint.lower().saturating_add(taken);
                     hint = SizeHint::new();
                     hint.set_lower(lower);
                     if let Some(upper) = upper {

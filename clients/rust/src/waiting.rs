@@ -12,10 +12,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, ConnectionInfo, ErrorKind, RedisResult, ServerErrorKind};
+use redis::{AsyncConnectionConfig, ConnectionInfo, RedisResult};
 use tokio::sync::Semaphore;
 
-use crate::error::{classify, Error, Failure};
+use crate::error::{classify, connection_spent, demoted, Error, Failure};
 use crate::mutex::lock;
 
 /// Where a node is: the limiter's settings (user, password, database, TLS) at its
@@ -93,7 +93,7 @@ impl WaitConnections {
             }
         };
         let answer = match self.send_once(node, &send).await {
-            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) => {
+            Err(error) if demoted(&error) => {
                 log::debug!(target: "qag_client", "a demoted primary, once more: {error}");
                 lock(&self.idle).remove(node);
                 self.send_once(node, &send).await
@@ -127,15 +127,9 @@ impl WaitConnections {
         let reply = send(connection).await;
         // An error reply leaves the connection as good as an answer; a failed one, or
         // one to a demoted primary, not.
-        held.answered = match &reply {
-            Ok(_) => true,
-            Err(error) => {
-                !(error.is_io_error()
-                    || error.is_timeout()
-                    || error.is_connection_dropped()
-                    || error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly))
-            }
-        };
+        held.answered = reply
+            .as_ref()
+            .map_or_else(|error| !connection_spent(error), |_| true);
         reply
     }
 }
