@@ -1,19 +1,23 @@
 """A gateway on FastAPI, limited by qag's ASGI middleware: the address's bucket, the
-key's bucket, its calls quota and its concurrent queries, with the answers of ADR 0032.
+key's bucket, its quota of calls (and rows) and its concurrent queries, with the answers
+of ADR 0032; and a model call's window chain: its estimate of tokens held, charged as it
+streams and committed.
 
 python clients/python/examples/fastapi_gateway.py --redis redis://127.0.0.1:6379/ \
   --listen 127.0.0.1:8080 [--client-limit 20/1] [--key-limit 60/60] [--max-concurrent 4] \
-  [--quota-calls 100000 --quota-per month --quota-tz Europe/Berlin] \
+  [--quota-calls 100000] [--quota-rows N] [--quota-per month --quota-tz Europe/Berlin] \
   [--policy raise|forward|local] [--back-off 5] [--tpm 100000] [--rpm 0] \
-  [--shadow key,quota,...] [--wait 500 [--max-waiting 100]]
+  [--shadow key,quota,window,...] [--wait 500 [--max-waiting 100]]
 
-GET /v1/query?key=K[&work_ms=N][&chunks=N]: a small JSON body after work_ms, or a body
-streamed in `chunks` pieces over work_ms.
+GET /v1/query?key=K[&work_ms=N][&chunks=N][&rows=N]: a small JSON body after work_ms, or
+a body streamed in `chunks` pieces over work_ms; `rows` are reported for the key's rows
+quota.
 GET /v1/complete?key=K&estimate=N&tokens=N[&parts=N][&work_ms=N]: a model call under the
-key's tokens (--tpm) and requests (--rpm, 0: none) a minute: `estimate` tokens held at
-admission, the response's `tokens` charged in `parts` while it runs over work_ms,
-committed at the end; its answers carry the OpenAI-style x-ratelimit-*-requests and
--tokens fields of that window.
+key's tokens (--tpm) and requests (--rpm, 0: none) a minute: the middleware holds
+`estimate` tokens at admission (its window option), the handler charges the response's
+`tokens` in `parts` while it runs over work_ms and commits them at the end (a caller
+gone first: what was charged is committed); its answers carry the OpenAI-style
+x-ratelimit-*-requests and -tokens fields of that window.
 GET /limits (not limited): how each limit answered, {"key": {"allowed": N, "refused": N,
 "shadow": false}, ...}: the numbers to watch for a limit in --shadow.
 --wait MS: a request waits up to MS milliseconds for its buckets' tokens and its slot
@@ -24,15 +28,22 @@ a request beyond them is answered at once.
 import argparse
 import asyncio
 import socket
-from typing import Any, AsyncIterator, Optional, Tuple
+from typing import Any, AsyncIterator, Callable, Optional, Tuple
 
 import redis.asyncio
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from qag_client import AsyncLimiter, QagError, Quota, headers
-from qag_client.asgi import LIMITS, KeyLimits, RateLimitMiddleware, query_parameter
+from qag_client import AsyncLimiter, QagError, Quota
+from qag_client.asgi import (
+    LIMITS,
+    KeyLimits,
+    RateLimitMiddleware,
+    RequestParts,
+    WindowLimit,
+    query_parameter,
+)
 from qag_client.fastapi import Admitted, admitted
 
 app = FastAPI()
@@ -40,8 +51,9 @@ app = FastAPI()
 
 @app.get("/v1/query")
 async def query(
-    work_ms: int = 0, chunks: int = 0, limits: Admitted = Depends(admitted)
+    work_ms: int = 0, chunks: int = 0, rows: int = 0, limits: Admitted = Depends(admitted)
 ) -> Response:
+    limits.rows.add(rows)  # the rows the query returned, for the key's rows quota
     if chunks <= 0:
         await asyncio.sleep(work_ms / 1000)
         return JSONResponse({"request_id": limits.request_id})
@@ -57,35 +69,44 @@ async def query(
 @app.get("/v1/complete")
 async def complete(
     request: Request,
-    estimate: int,
     tokens: int,
     parts: int = 1,
     work_ms: int = 0,
     limits: Admitted = Depends(admitted),
 ) -> Response:
-    limiter: AsyncLimiter = request.app.state.limiter
+    # The middleware held the estimate on the key's window (see model_window); the call
+    # charges what it streams as it goes and commits its count at the end.
+    hold = limits.window  # None for a refusal a window in shadow let through
     parts = max(parts, 1)
-    # The key's model tokens a minute: the estimate (input + max_tokens) held while the
-    # call runs, what it streams charged as it goes, its count committed at the end.
-    key = limits.api_key or "anonymous"
-    scopes = [(f"qag:win:{{{key}}}:tokens", request.app.state.rpm, request.app.state.tpm)]
     try:
-        async with limiter.reserve(scopes, estimate) as hold:
-            # The fields a model API's callers read: its tightest limits now, the tokens
-            # this request holds counted (and a refusal's retry-after).
-            window = dict(headers(chain=(scopes, hold.admission)))
-            if not hold.admitted:
-                return JSONResponse({"code": "tpm_exceeded"}, 429, window)
-            for _ in range(parts):
-                await asyncio.sleep(work_ms / 1000 / parts)  # the model streams a part
-                if await request.is_disconnected():
-                    # Left without a commit: what was charged is committed, the rest freed.
-                    return Response(status_code=499)
+        for _ in range(parts):
+            await asyncio.sleep(work_ms / 1000 / parts)  # the model streams a part
+            if await request.is_disconnected():
+                # Left without a commit: the middleware commits what was charged.
+                return Response(status_code=499)
+            if hold is not None:
                 await hold.charge(tokens // parts)
+        if hold is not None:
             await hold.commit(tokens)
-    except QagError:  # Redis failed under "raise"
-        return JSONResponse({"code": "limiter_unavailable"}, 503)
-    return JSONResponse({"request_id": limits.request_id, "tokens": tokens}, headers=window)
+    except QagError:  # Redis failed meanwhile: the commit goes on in the background
+        pass
+    return JSONResponse({"request_id": limits.request_id, "tokens": tokens})
+
+
+def model_window(
+    rpm: int, tpm: int
+) -> Callable[[RequestParts, Optional[str]], Optional[WindowLimit]]:
+    """A model call's window chain: its key's requests and tokens a minute, the
+    query's ``estimate`` (input + max_tokens) held until the handler commits."""
+
+    def window(parts: RequestParts, key: Optional[str]) -> Optional[WindowLimit]:
+        if parts.raw["path"] != "/v1/complete":
+            return None
+        scope = (f"qag:win:{{{key or 'anonymous'}}}:tokens", rpm, tpm)
+        estimate = parts.query.get("estimate", "")
+        return WindowLimit([scope], int(estimate) if estimate.isdigit() else 1000)
+
+    return window
 
 
 def main() -> None:
@@ -97,10 +118,9 @@ def main() -> None:
         back_off=args.back_off,
         max_waiting=args.max_waiting,
     )
-    app.state.limiter, app.state.tpm, app.state.rpm = limiter, args.tpm, args.rpm
     quota = None
-    if args.quota_calls is not None:
-        quota = Quota(args.quota_per, args.quota_tz, calls=args.quota_calls)
+    if args.quota_calls is not None or args.quota_rows is not None:
+        quota = Quota(args.quota_per, args.quota_tz, calls=args.quota_calls, rows=args.quota_rows)
     limited = RateLimitMiddleware(
         app,
         limiter,
@@ -109,6 +129,7 @@ def main() -> None:
         key_limits=KeyLimits(
             bucket=args.key_limit, max_concurrent=args.max_concurrent, quota=quota
         ),
+        window=model_window(args.rpm, args.tpm),
         shadow=args.shadow,  # limits tried on live traffic: their refusals let through
         # Waiting for a limit's turn instead of a 429, up to --wait ms.
         wait=(
@@ -149,6 +170,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--key-limit", type=rate, metavar="COUNT/PERIOD")
     parser.add_argument("--max-concurrent", type=int)
     parser.add_argument("--quota-calls", type=int)
+    parser.add_argument("--quota-rows", type=int)
     parser.add_argument("--quota-per", choices=("day", "month"), default="month")
     parser.add_argument("--quota-tz", default="UTC")
     parser.add_argument("--policy", choices=("raise", "forward", "local"), default="raise")

@@ -358,6 +358,69 @@ def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) ->
     limiter.close()
 
 
+def test_the_wsgi_middleware_holds_a_model_calls_window(
+    start_server: Callable[..., Server],
+) -> None:
+    """Issue 35, under WSGI: the window option's hold is a blocking ``Reservation`` in
+    ``Admitted.window``; a stream charged as it goes and committed, a handler that never
+    commits (what it charged is committed when the response is closed), a refusal with
+    the window's fields, and the slot and token a refusal gives back."""
+    from flask import Flask, Response, request
+
+    from qag_client import Limiter
+    from qag_client.wsgi import KeyLimits, RateLimitWSGI, WindowLimit, query_parameter
+
+    server = start_server()
+    app = Flask(__name__)
+
+    @app.get("/v1/complete")
+    def complete() -> Response:
+        hold = request.environ["qag"].window
+        commit = request.args.get("commit") == "1"
+
+        def parts() -> Iterator[bytes]:
+            for n in range(3):
+                hold.charge(100)
+                yield f"part {n}\n".encode()
+            if commit:
+                hold.commit(300)
+
+        return Response(parts(), mimetype="text/plain")
+
+    def window(parts: Any, key: Optional[str]) -> WindowLimit:
+        return WindowLimit([(f"qag:win:{{{key}}}:tokens", 0, 1000)], int(parts.query["estimate"]))
+
+    limiter = Limiter(server.client())
+    app.wsgi_app = RateLimitWSGI(  # type: ignore[method-assign]
+        app.wsgi_app,
+        limiter,
+        api_key=query_parameter("key"),
+        key_limits=KeyLimits(bucket=(100, 3600), max_concurrent=1),
+        window=window,
+    )
+    client = app.test_client()
+    scope = "qag:win:{acme~v}:tokens"
+    committed = client.get("/v1/complete?key=acme~v&estimate=400&commit=1", buffered=True)
+    assert committed.status_code == 200 and committed.data.count(b"part") == 3
+    assert committed.headers["x-ratelimit-remaining-tokens"] == "600"
+    assert window_counts(server, scope) == (300, 0)
+    # Read but never committed: closing the response commits the 300 charged.
+    left = client.get("/v1/complete?key=acme~v&estimate=400", buffered=False)
+    counted, held = window_counts(server, scope)
+    assert held > 0 and counted + held == 700, (counted, held)  # a part may be charged
+    assert b"".join(left.response) == b"part 0\npart 1\npart 2\n"
+    left.close()
+    assert window_counts(server, scope) == (600, 0)
+    refused = client.get("/v1/complete?key=acme~v&estimate=500", buffered=True)
+    assert refused.status_code == 429 and refused.json is not None
+    assert refused.json["exceeded"] == "tokens"
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "400"
+    assert refused.headers["x-ratelimit-key-remaining"] == "98"
+    assert leases(server, "qag:running:acme~v") == 0
+    assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~v") == 98
+    limiter.close()
+
+
 def test_a_request_the_limiter_cannot_finish_costs_no_tokens(
     start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
 ) -> None:
@@ -606,6 +669,105 @@ def test_a_model_route_reports_its_window_as_openai_does(
     assert 1 <= int(refused.headers["retry-after"]) <= 60
 
 
+@pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
+def test_the_window_option_refuses_gives_back_and_says_why(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], with_module: bool
+) -> None:
+    """Issue 35: the middleware's window option holds a model call's estimate; a call
+    the window refuses answers 429 naming requests or tokens, with the window's fields
+    and the quota's, gives back its bucket's token and its slot and adds no call to the
+    quota; an estimate above the window's tokens never fits (no retry-after)."""
+    server = start_server(with_module=with_module)
+    flags = ["--key-limit", "100/3600", "--max-concurrent", "2", "--tpm", "1000", "--rpm", "3"]
+    gateway = start_gateway(server, *flags, "--quota-calls", "1000", "--quota-per", "day")
+    base = f"{gateway.base}/v1/complete?key=acme~g"
+    bucket, slots = "qag:ratelimit:key:100/3600:acme~g", "qag:running:acme~g"
+
+    def calls() -> int:
+        return int(server.client().hget("qag:quota:acme~g", "calls") or 0)
+
+    first = httpx.get(f"{base}&estimate=600&tokens=500", timeout=10)
+    assert first.status_code == 200
+    assert first.headers["x-ratelimit-remaining-tokens"] == "400"  # its own 600 held
+    refused = httpx.get(f"{base}&estimate=600&tokens=500", timeout=10)
+    assert refused.status_code == 429
+    body = refused.json()
+    assert (body["code"], body["exceeded"]) == ("rate_limited", "tokens"), body
+    assert body["error"] == "Token rate limit exceeded"
+    assert refused.headers["retry-after"] == str(body["retry_after"])
+    assert 1 <= body["retry_after"] <= 120
+    fields = refused.headers
+    assert (fields["x-ratelimit-remaining-tokens"], fields["x-ratelimit-remaining-requests"]) == (
+        "500",
+        "2",
+    )
+    # Given back: its token, its slot; and its call is not on the quota.
+    assert fields["x-ratelimit-key-remaining"] == "99"
+    assert fields["x-quota-remaining-calls"] == "999"
+    assert bucket_tokens(server, bucket) == 99
+    assert leases(server, slots) == 0 and calls() == 1
+    # 5000 tokens can never fit in 1000 a minute: no wait helps, none is named.
+    never = httpx.get(f"{base}&estimate=5000&tokens=1", timeout=10)
+    assert never.status_code == 429 and "retry-after" not in never.headers
+    assert never.json()["retry_after"] is None and never.json()["exceeded"] == "tokens"
+    # Three requests a minute: two more fit, the next names requests.
+    for _ in range(2):
+        assert httpx.get(f"{base}&estimate=100&tokens=100", timeout=10).status_code == 200
+    no_requests = httpx.get(f"{base}&estimate=100&tokens=100", timeout=10)
+    assert no_requests.status_code == 429, no_requests.text
+    assert no_requests.json()["exceeded"] == "requests"
+    assert no_requests.headers["x-ratelimit-remaining-requests"] == "0"
+    assert bucket_tokens(server, bucket) == 97 and leases(server, slots) == 0 and calls() == 3
+    counts = httpx.get(f"{gateway.base}/limits", timeout=10).json()["window"]
+    assert counts == {"allowed": 3, "refused": 3, "shadow": False}, counts
+    counted, held = window_counts(server, "qag:win:{acme~g}:tokens")
+    assert (counted, held) == (700, 0)
+
+
+def test_a_window_in_shadow_lets_its_refusals_through_holding_nothing(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], tmp_path: Path
+) -> None:
+    """Issue 35: a window in shadow is asked and counted; a call it refuses is served,
+    holds nothing and charges nothing, and the refusal is logged."""
+    server = start_server()
+    log = tmp_path / "gateway.log"
+    gateway = start_gateway(server, "--tpm", "1000", "--shadow", "window", log=log)
+    base = f"{gateway.base}/v1/complete?key=acme~h"
+    answers = [httpx.get(f"{base}&estimate=600&tokens=500", timeout=10) for _ in range(3)]
+    assert [answer.status_code for answer in answers] == [200, 200, 200]
+    assert answers[1].headers["x-ratelimit-remaining-tokens"] == "500"
+    counts = httpx.get(f"{gateway.base}/limits", timeout=10).json()["window"]
+    assert counts == {"allowed": 1, "refused": 2, "shadow": True}, counts
+    assert window_counts(server, "qag:win:{acme~h}:tokens") == (500, 0)
+    gateway.stop()
+    assert "shadow: the window limit refused request" in log.read_text()
+
+
+def test_a_rows_quota_refuses_with_its_fields(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    """Issue 35: a quota of rows counts what the handler reports; once spent, its 429
+    names rows, with x-quota-remaining-rows 0, the reset, and the draft's "rows" item
+    agreeing with retry-after."""
+    server = start_server()
+    gateway = start_gateway(server, "--quota-rows", "100", "--quota-per", "day")
+    first = httpx.get(gateway.url("key=acme~q&rows=60"), timeout=10)
+    assert first.status_code == 200 and first.headers["x-quota-remaining-rows"] == "40"
+    second = httpx.get(gateway.url("key=acme~q&rows=60"), timeout=10)
+    assert second.status_code == 200 and second.headers["x-quota-remaining-rows"] == "0"
+    refused = httpx.get(gateway.url("key=acme~q&rows=1"), timeout=10)
+    assert refused.status_code == 429
+    body = refused.json()
+    assert (body["code"], body["exceeded"]) == ("quota_exceeded", "rows"), body
+    fields = refused.headers
+    assert fields["x-quota-remaining-rows"] == "0" and "x-quota-remaining-calls" not in fields
+    assert int(fields["x-quota-reset"]) == body["resets_at"]
+    items = draft_items("ratelimit", fields["ratelimit"])
+    assert list(items) == ["rows"] and items["rows"]["r"] == 0
+    assert items["rows"]["t"] == int(fields["retry-after"]) == body["retry_after"]
+    assert server.client().hget("qag:quota:acme~q", "rows") == b"120"
+
+
 # 200 requests at once through a gateway load the machine on purpose: run alone (beside
 # the other suites a gateway starved of the cores answered some with 503).
 @pytest.mark.cores
@@ -788,6 +950,9 @@ def test_two_hundred_requests_at_once_stay_within_every_limit(
             assert server.client().hget("qag:quota:acme~z", "calls") == str(served + 1).encode()
         else:
             codes = {body.split('"code":"')[1].split('"')[0] for body in refused}
-            assert codes <= {"rate_limited", "too_many_concurrent", "tpm_exceeded"}, what
+            assert codes <= {"rate_limited", "too_many_concurrent"}, what
             counted, held = window_counts(server, "qag:win:{acme~y}:tokens")
             assert (counted, held) == (500 * served, 0), what
+            # A call the window refused gave its token back; only those served counted.
+            assert bucket_tokens(server, "qag:ratelimit:key:150/3600:acme~y") == 150 - served
+            assert server.client().hget("qag:quota:acme~y", "calls") == str(served).encode()

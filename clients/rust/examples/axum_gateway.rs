@@ -1,24 +1,27 @@
 //! A gateway on axum, limited by qag's tower layer: the address's bucket, the key's
-//! bucket, its calls quota and its concurrent queries, with the answers of ADR 0032; and,
-//! with `--tpm`, the handler's own token reservation for a model call.
+//! bucket, its quota of calls (and rows) and its concurrent queries, with the answers of
+//! ADR 0032; and, with `--tpm`, a model call's window chain: its estimate of tokens held,
+//! charged as it streams and committed.
 //!
 //! cargo run --release -p qag-client --features tower --example axum_gateway -- \
 //!   --redis redis://127.0.0.1:6379/ --listen 127.0.0.1:8080 [--client-limit 20/1] \
-//!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000 --quota-per month \
-//!   --quota-tz Europe/Berlin] [--tpm 100000 [--rpm 60]] [--shadow key,quota,...] \
+//!   [--key-limit 60/60] [--max-concurrent 4] [--quota-calls 100000] [--quota-rows N] \
+//!   [--quota-per month --quota-tz Europe/Berlin] [--tpm 100000 [--rpm 60]] \
+//!   [--shadow key,quota,window,...] \
 //!   [--policy raise|forward|local] [--back-off 5] [--wait 500 [--max-waiting 100]]
 //!
 //! `--wait MS`: a request waits up to MS milliseconds for its buckets' tokens and its
 //! slot instead of a 429 (its `server-timing` says how long); at most `--max-waiting`
 //! wait at once, a request beyond them is answered at once.
 //!
-//! GET /v1/query?key=K[&work_ms=N][&chunks=N][&reserve=T][&tokens=A]: a small JSON body
-//! after work_ms, or a body streamed in `chunks` pieces over work_ms. With `--tpm`, the
-//! key's `qag:win:{K}:tokens` (`--rpm` requests and `--tpm` tokens a minute) holds
-//! `reserve` tokens (default 1000) for the request and is charged `tokens` (default
-//! `reserve`) in the end, in parts while it streams; a request cancelled before its end
-//! commits what it charged, releasing its hold. Its responses carry the window's
-//! OpenAI-style `x-ratelimit-*-requests` and `-tokens` fields.
+//! GET /v1/query?key=K[&work_ms=N][&chunks=N][&rows=N][&reserve=T][&tokens=A]: a small
+//! JSON body after work_ms, or a body streamed in `chunks` pieces over work_ms; `rows`
+//! are reported for the key's rows quota. With `--tpm`, the layer holds `reserve` tokens
+//! (default 1000) for the request on the key's `qag:win:{K}:tokens` (`--rpm` requests and
+//! `--tpm` tokens a minute); the handler is charged `tokens` (default `reserve`) in the
+//! end, in parts while it streams; a request cancelled before its end commits what it
+//! charged, releasing its hold. Its answers carry the window's OpenAI-style
+//! `x-ratelimit-*-requests` and `-tokens` fields.
 //!
 //! GET /limits (not limited): how each limit answered, `{"key":{"allowed":N,
 //! "refused":N,"shadow":false},...}`: the numbers to watch for a limit in `--shadow`.
@@ -27,94 +30,67 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{ConnectInfo, Query, State};
-use axum::http::StatusCode;
+use axum::extract::{ConnectInfo, Query};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Extension, Router};
-use qag_client::tower::{Admitted, KeyLimits, LimitName, RateLimitLayer};
-use qag_client::{Headers, Limiter, OnUnavailable, Options, Per, Quota, Reservation, Scope};
+use qag_client::tower::{Admitted, KeyLimits, LimitName, RateLimitLayer, TokenHold, WindowLimit};
+use qag_client::{Limiter, OnUnavailable, Options, Per, Quota, Scope};
 use redis::aio::ConnectionManager;
 
-/// The handler's own limits: the key's requests and tokens per minute, if any.
-#[derive(Clone)]
-struct Models {
-    limiter: Limiter<ConnectionManager>,
-    rpm: u64,
-    tpm: Option<u64>,
-}
-
 async fn query(
-    State(models): State<Models>,
     Query(work): Query<HashMap<String, String>>,
     Extension(admitted): Extension<Admitted>,
 ) -> Response {
     let number = |name: &str| work.get(name).and_then(|n| n.parse::<u64>().ok());
     let wait = Duration::from_millis(number("work_ms").unwrap_or(0));
-    let estimate = number("reserve").unwrap_or(1000);
-    let used = number("tokens").unwrap_or(estimate);
-    let (reservation, window) = match (models.tpm, &admitted.api_key) {
-        (Some(tpm), Some(key)) => {
-            let scopes = [Scope {
-                key: format!("qag:win:{{{key}}}:tokens"),
-                rpm: models.rpm,
-                tpm,
-            }];
-            // Its own request id (the default): never the caller's x-request-id, which
-            // would let a caller replay an admission uncharged.
-            match models.limiter.reserve(&scopes, estimate, None, None).await {
-                Ok(reservation) => {
-                    // The fields a model API's callers read: its tightest limits now,
-                    // the tokens this request holds counted.
-                    let admission = reservation.admission();
-                    let window = Headers::new().window(&scopes, &admission, None);
-                    let window = window.header_map();
-                    if !reservation.admitted() {
-                        let body = r#"{"error":"Token limit exceeded for this API key","code":"rate_limited"}"#;
-                        return (StatusCode::TOO_MANY_REQUESTS, window, body).into_response();
-                    }
-                    (Some(reservation), window)
-                }
-                Err(error) => {
-                    let body = format!(r#"{{"error":"Rate limiting is unavailable: {error}"}}"#);
-                    return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
-                }
-            }
-        }
-        _ => (None, Default::default()),
-    };
+    let used = number("tokens").or(number("reserve")).unwrap_or(1000);
+    // The rows the query returned, for the key's rows quota.
+    admitted.rows.add(number("rows").unwrap_or(0));
+    let hold = admitted.window.clone();
     let Some(chunks) = number("chunks").filter(|n| *n > 0) else {
-        tokio::time::sleep(wait).await; // the model call; a cancel drops the reservation
-        if let Some(reservation) = reservation {
-            commit(reservation, used).await;
+        tokio::time::sleep(wait).await; // the model call; a cancel commits what was charged
+        if let Some(hold) = &hold {
+            commit(hold, used).await;
         }
         let body = format!("{{\"request_id\":\"{}\"}}", admitted.request_id);
-        return (window, body).into_response();
+        return body.into_response();
     };
-    let state = (0, reservation);
-    let pieces = futures_util::stream::unfold(state, move |(sent, mut reservation)| async move {
-        if sent == chunks {
-            if let Some(reservation) = reservation {
-                commit(reservation, used).await;
+    let pieces = futures_util::stream::unfold(0, move |sent| {
+        let hold = hold.clone();
+        async move {
+            if sent == chunks {
+                if let Some(hold) = &hold {
+                    commit(hold, used).await;
+                }
+                return None;
             }
-            return None;
+            tokio::time::sleep(wait / chunks as u32).await;
+            if let Some(hold) = &hold {
+                // Each piece's share of the count, paid as it streams.
+                let _ = hold.charge(used / chunks).await;
+            }
+            let piece = Ok::<_, std::io::Error>(format!("row {sent}\n"));
+            Some((piece, sent + 1))
         }
-        tokio::time::sleep(wait / chunks as u32).await;
-        if let Some(reservation) = reservation.as_mut() {
-            // Each piece's share of the count, paid as it streams.
-            let _ = reservation.charge(used / chunks).await;
-        }
-        let piece = Ok::<_, std::io::Error>(format!("row {sent}\n"));
-        Some((piece, (sent + 1, reservation)))
     });
-    (window, Body::from_stream(pieces)).into_response()
+    Body::from_stream(pieces).into_response()
 }
 
 /// The response's actual count; a commit that fails goes on in the background.
-async fn commit(reservation: Reservation<ConnectionManager>, used: u64) {
-    if let Err(error) = reservation.commit(used).await {
+async fn commit(hold: &TokenHold, used: u64) {
+    if let Err(error) = hold.commit(used).await {
         eprintln!("committing {used} tokens: {error}");
     }
+}
+
+/// The query's `reserve` parameter: the tokens a model call holds (default 1000).
+fn estimate(parts: &axum::http::request::Parts) -> u64 {
+    let query = parts.uri.query().unwrap_or_default();
+    let value = query
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("reserve="));
+    value.and_then(|n| n.parse().ok()).unwrap_or(1000)
 }
 
 /// How each limit answered, as JSON.
@@ -149,11 +125,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..Options::default()
     };
     let limiter = Limiter::connect(&args.redis, options).await?;
-    let models = Models {
-        limiter: limiter.clone(),
-        rpm: args.rpm,
-        tpm: args.tpm,
-    };
     let mut limits = RateLimitLayer::new(limiter)
         .client_address(|parts| {
             let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>()?;
@@ -172,6 +143,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some((count, period)) = args.client_limit {
         limits = limits.client_bucket(count, period);
     }
+    if let Some(tpm) = args.tpm {
+        let rpm = args.rpm;
+        // A model call's chain: its key's requests and tokens a minute, the query's
+        // estimate held until the handler commits.
+        limits = limits.window_limit(move |parts, key| {
+            Some(WindowLimit {
+                scopes: vec![Scope {
+                    key: format!("qag:win:{{{}}}:tokens", key?),
+                    rpm,
+                    tpm,
+                }],
+                estimate: estimate(parts),
+                window: None,
+                hold: None,
+            })
+        });
+    }
     for &limit in &args.shadow {
         limits = limits.shadow(limit);
     }
@@ -183,7 +171,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let watched = limits.clone();
     let app = Router::new()
         .route("/v1/query", get(query))
-        .with_state(models)
         .layer(limits)
         // Added after the layer: not limited.
         .route(
@@ -231,7 +218,7 @@ impl Args {
             wait: None,
             max_waiting: Options::default().max_waiting,
         };
-        let (mut calls, mut per, mut zone) = (None, Per::Month, "UTC".to_string());
+        let (mut calls, mut rows, mut per, mut zone) = (None, None, Per::Month, "UTC".to_string());
         while let Some(flag) = words.next() {
             let value = words.next().ok_or(format!("{flag} needs a value"))?;
             let number = |what: &str| value.parse::<u64>().map_err(|_| format!("{what}: {value}"));
@@ -267,6 +254,7 @@ impl Args {
                     );
                 }
                 "--quota-calls" => calls = Some(number("--quota-calls")?),
+                "--quota-rows" => rows = Some(number("--quota-rows")?),
                 "--quota-tz" => zone = value,
                 "--quota-per" => {
                     per = match value.as_str() {
@@ -286,11 +274,11 @@ impl Args {
                 _ => return Err(format!("unknown flag {flag}")),
             }
         }
-        args.quota = calls.map(|calls| Quota {
+        args.quota = (calls.is_some() || rows.is_some()).then_some(Quota {
             per,
             zone,
-            calls: Some(calls),
-            rows: None,
+            calls,
+            rows,
         });
         Ok(args)
     }

@@ -20,6 +20,13 @@ pub enum Refusal {
     },
     /// Every concurrency slot of the key is held.
     Concurrency,
+    /// A window chain (a model API's requests and tokens per window) has no room for the
+    /// request: `exceeded` is `"requests"` (none left) or `"tokens"` (its estimate does
+    /// not fit beside what is counted and held).
+    Window {
+        exceeded: &'static str,
+        retry_after: RetryAfter,
+    },
     /// Redis failed and the policy is to raise: the request cannot be counted.
     Unavailable { retry_after: u64 },
 }
@@ -35,7 +42,7 @@ impl Refusal {
 
     pub fn code(&self) -> &'static str {
         match self {
-            Refusal::Client { .. } | Refusal::Key { .. } => "rate_limited",
+            Refusal::Client { .. } | Refusal::Key { .. } | Refusal::Window { .. } => "rate_limited",
             Refusal::Quota { .. } => "quota_exceeded",
             Refusal::Concurrency => "too_many_concurrent",
             Refusal::Unavailable { .. } => "limiter_unavailable",
@@ -48,6 +55,11 @@ impl Refusal {
             Refusal::Key { .. } => "Rate limit exceeded for this API key",
             Refusal::Quota { .. } => "Quota exceeded for this API key",
             Refusal::Concurrency => "Too many concurrent requests for this API key",
+            Refusal::Window {
+                exceeded: "requests",
+                ..
+            } => "Request rate limit exceeded",
+            Refusal::Window { .. } => "Token rate limit exceeded",
             Refusal::Unavailable { .. } => "Rate limiting is unavailable",
         }
     }
@@ -55,7 +67,9 @@ impl Refusal {
     /// The `retry-after` seconds; None for a cost that can never fit.
     pub fn retry_after(&self) -> Option<u64> {
         match *self {
-            Refusal::Client { retry_after } | Refusal::Key { retry_after } => {
+            Refusal::Client { retry_after }
+            | Refusal::Key { retry_after }
+            | Refusal::Window { retry_after, .. } => {
                 retry_after.seconds().map(|seconds| seconds.max(1))
             }
             Refusal::Quota { retry_after, .. } | Refusal::Unavailable { retry_after } => {
@@ -65,8 +79,9 @@ impl Refusal {
         }
     }
 
-    /// The body: `{"error", "code", "retry_after", ["exceeded", "resets_at",]
-    /// "request_id"}` in that order; `retry_after` is null for a cost that never fits.
+    /// The body: `{"error", "code", "retry_after", ["exceeded", ["resets_at",]]
+    /// "request_id"}` in that order (`exceeded` for a quota and a window, `resets_at`
+    /// for a quota); `retry_after` is null for a cost that never fits.
     pub fn body(&self, request_id: &str) -> String {
         let retry_after = match self.retry_after() {
             Some(seconds) => seconds.to_string(),
@@ -77,15 +92,18 @@ impl Refusal {
             self.message(),
             self.code()
         );
-        if let Refusal::Quota {
-            exceeded,
-            resets_at,
-            ..
-        } = self
-        {
-            body.push_str(&format!(
+        match self {
+            Refusal::Quota {
+                exceeded,
+                resets_at,
+                ..
+            } => body.push_str(&format!(
                 ",\"exceeded\":\"{exceeded}\",\"resets_at\":{resets_at}"
-            ));
+            )),
+            Refusal::Window { exceeded, .. } => {
+                body.push_str(&format!(",\"exceeded\":\"{exceeded}\""))
+            }
+            _ => {}
         }
         body.push_str(",\"request_id\":");
         push_json_string(&mut body, request_id);

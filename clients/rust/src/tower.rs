@@ -6,7 +6,10 @@
 //! 2. the key's bucket: 429 `rate_limited` ("for this API key"), the client's token given
 //!    back;
 //! 3. the key's quota: 429 `quota_exceeded`, naming what ran out and when it resets;
-//! 4. the key's concurrency slot: 429 `too_many_concurrent` with `retry-after: 1`.
+//! 4. the key's concurrency slot: 429 `too_many_concurrent` with `retry-after: 1`;
+//! 5. a window chain, for a model API ([`RateLimitLayer::window_limit`]): the request's
+//!    estimate of tokens held on every scope (QAG.ADMIT … RESERVE), 429 `rate_limited`
+//!    naming `requests` or `tokens` and the window's `retry-after`.
 //!
 //! The buckets and the quota's check go in one round trip where they can share one
 //! ([`Limiter::take_with_quota`]), so a bucket's refusal shows the quota too. A later
@@ -14,9 +17,13 @@
 //! quota or its slot costs no tokens. An admitted request holds its slot until the
 //! response body's last byte (a stream keeps it while it streams) and frees it when the
 //! body is dropped early (a client that went away); its call is added to the quota when
-//! the handler has answered, with the rows it reported through [`ReportRows`]. Every
-//! response to a limited caller carries the headers of what was counted; the handler
-//! finds the decisions in the [`Admitted`] extension.
+//! the handler has answered, with the rows it reported through [`ReportRows`]. A window
+//! chain's hold ([`TokenHold`]) is charged by the handler as it streams and committed
+//! with the actual count; what the handler left uncommitted is committed (what it
+//! charged) at the body's end, so the hold never outlives the response. Every response
+//! to a limited caller carries the headers of what was counted (a window chain's as
+//! OpenAI's `x-ratelimit-*-requests` and `-tokens`); the handler finds the decisions in
+//! the [`Admitted`] extension.
 //!
 //! A limit in shadow ([`RateLimitLayer::shadow`]) is asked and counted as usual, but
 //! its refusals are let through: logged (a line a second at most) and counted in
@@ -37,7 +44,10 @@ use redis::aio::ConnectionLike;
 use tokio::task::JoinHandle;
 
 use crate::answers::Refusal;
-use crate::decision::{AnsweredBy, Decision, LeaseRefusal, Quota, QuotaDecision};
+use crate::decision::{
+    Admission, AnsweredBy, Decision, LeaseRefusal, Quota, QuotaDecision, Recorded, RetryAfter,
+    Scope,
+};
 use crate::error::Error;
 use crate::headers::Headers;
 use crate::ids::new_request_id;
@@ -46,9 +56,11 @@ use crate::limiter::Limiter;
 use crate::mutex::lock;
 use crate::naming::Bucket;
 use crate::policy::LogEvery;
+use crate::reservations::Reservation;
 
 type Extract = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type LimitsOf = dyn Fn(&str) -> KeyLimits + Send + Sync;
+type WindowOf = dyn Fn(&Parts, Option<&str>) -> Option<WindowLimit> + Send + Sync;
 
 /// The limits the layer asks, in the order it asks them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -61,14 +73,17 @@ pub enum LimitName {
     Quota,
     /// The key's concurrency slots.
     Concurrency,
+    /// The request's window chain ([`RateLimitLayer::window_limit`]).
+    Window,
 }
 
 impl LimitName {
-    pub const ALL: [LimitName; 4] = [
+    pub const ALL: [LimitName; 5] = [
         LimitName::Client,
         LimitName::Key,
         LimitName::Quota,
         LimitName::Concurrency,
+        LimitName::Window,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -77,6 +92,7 @@ impl LimitName {
             LimitName::Key => "key",
             LimitName::Quota => "quota",
             LimitName::Concurrency => "concurrency",
+            LimitName::Window => "window",
         }
     }
 
@@ -118,17 +134,49 @@ pub struct KeyLimits {
     pub quota: Option<Quota>,
 }
 
+/// A request's window chain, for a model API: the scopes it is counted in (e.g. its
+/// organisation's, its key's, its model's: requests and tokens per window), and the
+/// tokens held for it until it commits its actual count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WindowLimit {
+    pub scopes: Vec<Scope>,
+    /// The tokens to hold: the request's estimate (e.g. its prompt's tokens plus its
+    /// `max_tokens`). A request is admitted only if they fit on every scope beside what
+    /// is counted and held.
+    pub estimate: u64,
+    /// The window's seconds (None: QAG.ADMIT's 60).
+    pub window: Option<u32>,
+    /// How long the hold may count at most (None: until the end of the next window).
+    pub hold: Option<Duration>,
+}
+
+impl WindowLimit {
+    /// The tokens to hold: the estimate, at least 1 (a reservation holds some).
+    fn tokens(&self) -> u64 {
+        self.estimate.max(1)
+    }
+
+    /// The estimate is above a scope's tokens per window: no wait lets it in.
+    fn never_fits(&self) -> bool {
+        let tokens = self.tokens();
+        self.scopes
+            .iter()
+            .any(|scope| scope.tpm > 0 && scope.tpm < tokens)
+    }
+}
+
 struct Config {
     client_bucket: Option<(u64, f64)>,
     client_address: Box<Extract>,
     api_key: Box<Extract>,
     key_limits: Box<LimitsOf>,
+    window_limit: Option<Box<WindowOf>>,
     lease_ttl: Duration,
     draft_headers: bool,
     /// Requests answered 503 because a limit could not be asked: one line a second.
     unavailable_log: Mutex<LogEvery>,
     /// By [`LimitName::index`].
-    limits: [LimitState; 4],
+    limits: [LimitState; 5],
 }
 
 /// The layer: configure it once, `.layer(...)` it onto a router or service.
@@ -166,6 +214,7 @@ where
                 }),
                 api_key: Box::new(|_| None),
                 key_limits: Box::new(|_| KeyLimits::default()),
+                window_limit: None,
                 lease_ttl: Duration::from_secs(30),
                 draft_headers: true,
                 unavailable_log: Mutex::default(),
@@ -229,6 +278,23 @@ where
         self.with(|config| config.key_limits = Box::new(limits))
     }
 
+    /// A window chain for each request that has one (`None`: the request has none),
+    /// from its parts and its API key: asked last, after its slot, so that a request
+    /// another limit refuses never charges a request to the chain. The estimate's tokens
+    /// are held until the handler commits the actual count through the [`TokenHold`] in
+    /// [`Admitted::window`] (or, uncommitted, until the body's end, what it charged is
+    /// committed). A refusal answers 429 `rate_limited` with `exceeded` `requests` or
+    /// `tokens`, giving back what the earlier limits took (tokens, slot). Every answer
+    /// of a request that asked carries the chain's OpenAI-style fields
+    /// ([`Headers::window`]). An estimate that depends on the body: read it in a layer
+    /// before this one and put it in an extension that `window` reads from `Parts`.
+    pub fn window_limit(
+        self,
+        window: impl Fn(&Parts, Option<&str>) -> Option<WindowLimit> + Send + Sync + 'static,
+    ) -> Self {
+        self.with(|config| config.window_limit = Some(Box::new(window)))
+    }
+
     /// How long a slot is held before it runs out unless renewed (default 30 s; the
     /// guard renews it every third of that while the response streams).
     pub fn lease_ttl(self, ttl: Duration) -> Self {
@@ -254,7 +320,8 @@ where
     /// and headers as without it, and a request that waited says how long in its
     /// `server-timing` field (`qag-wait;dur=<ms>`). A request's two buckets are taken
     /// together, waiting up to the longer of their waits. The quota never waits (a
-    /// period's calls do not come back). The layer's limiter must be made with
+    /// period's calls do not come back), nor does a window chain (QAG.ADMIT has no
+    /// `WAIT`): a wait given them is not used. The layer's limiter must be made with
     /// `Limiter::connect` or `Limiter::connect_cluster` (waits need connections of their
     /// own): else, and for a wait above 60 s, requests answer at once, and each such
     /// request logs why (a line a second at most).
@@ -316,6 +383,103 @@ pub struct Admitted {
     pub quota: Option<QuotaDecision>,
     /// Rows to add to the key's quota.
     pub rows: ReportRows,
+    /// The tokens the request holds on its window chain, if it asked one and was
+    /// admitted (a refusal a window in shadow let through holds none).
+    pub window: Option<TokenHold>,
+}
+
+/// The tokens a request holds on its window chain ([`RateLimitLayer::window_limit`]),
+/// for its handler: [`charge`](Self::charge) pays part of the count as the response
+/// streams, [`commit`](Self::commit) charges the whole count and releases the hold.
+/// Left uncommitted, what was charged is committed when the response body ends (or is
+/// dropped), so the hold never outlives the response. A clone is the same hold.
+#[derive(Clone)]
+pub struct TokenHold {
+    admission: Admission,
+    reserved: u64,
+    reservation: Arc<dyn Settles>,
+}
+
+impl std::fmt::Debug for TokenHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenHold")
+            .field("admission", &self.admission)
+            .field("reserved", &self.reserved)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TokenHold {
+    /// QAG.ADMIT's answer: the chain's requests and tokens left (the hold counted).
+    pub fn admission(&self) -> Admission {
+        self.admission
+    }
+
+    /// The tokens held.
+    pub fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// Pays `tokens` of the count now ([`Reservation::charge`]).
+    pub async fn charge(&self, tokens: u64) -> Result<Recorded, Error> {
+        self.reservation.clone().charge(tokens).await
+    }
+
+    /// Charges `actual`, the request's whole count (what was charged included), and
+    /// releases the hold ([`Reservation::commit`]). Once: a hold committed already
+    /// answers `Error::InvalidArgument`.
+    pub async fn commit(&self, actual: u64) -> Result<Recorded, Error> {
+        match self.reservation.clone().commit(Some(actual)).await {
+            Some(answer) => answer,
+            None => Err(Error::InvalidArgument(
+                "the window's hold is committed already".into(),
+            )),
+        }
+    }
+
+    /// At the response's end: commits what was charged, if nothing was committed.
+    async fn end(&self) {
+        if let Some(Err(error)) = self.reservation.clone().commit(None).await {
+            // The reservation goes on in the background (Reservation::commit).
+            log::warn!(target: "qag_client", "committing a window's hold failed: {error}");
+        }
+    }
+}
+
+/// A reservation of any connection type, so that `TokenHold` has none.
+trait Settles: Send + Sync {
+    fn charge(self: Arc<Self>, tokens: u64) -> BoxFuture<Result<Recorded, Error>>;
+    /// Commits `actual` (None: what was charged), unless committed already (None).
+    fn commit(self: Arc<Self>, actual: Option<u64>) -> BoxFuture<Option<Result<Recorded, Error>>>;
+}
+
+/// A reservation until its commit (None after it).
+struct Held<C>(tokio::sync::Mutex<Option<Reservation<C>>>)
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static;
+
+impl<C> Settles for Held<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn charge(self: Arc<Self>, tokens: u64) -> BoxFuture<Result<Recorded, Error>> {
+        Box::pin(async move {
+            match self.0.lock().await.as_mut() {
+                Some(reservation) => reservation.charge(tokens).await,
+                None => Err(Error::InvalidArgument(
+                    "the window's hold is committed already".into(),
+                )),
+            }
+        })
+    }
+
+    fn commit(self: Arc<Self>, actual: Option<u64>) -> BoxFuture<Option<Result<Recorded, Error>>> {
+        Box::pin(async move {
+            let reservation = self.0.lock().await.take()?;
+            let actual = actual.unwrap_or_else(|| reservation.charged());
+            Some(reservation.commit(actual).await)
+        })
+    }
 }
 
 /// Rows a handler reports for the key's quota: added with the call when the handler
@@ -405,6 +569,12 @@ where
     /// How long the request waited for its slot (`WAIT`).
     slot_waited: Duration,
     guard: Option<LeaseGuard<C>>,
+    /// The request's window chain, if it has one.
+    window_limit: Option<WindowLimit>,
+    /// The chain's answer, once asked.
+    chain: Option<Admission>,
+    /// The tokens held on the chain, for the handler and the body's end.
+    hold: Option<TokenHold>,
     /// A HEAD request: its body is never sent, so its end is the handler's answer.
     head: bool,
 }
@@ -440,6 +610,10 @@ where
             (Some(key), Some(_)) => Some(format!("qag:quota:{key}")),
             _ => None,
         };
+        let window_limit = config
+            .window_limit
+            .as_ref()
+            .and_then(|window| window(parts, api_key.as_deref()));
         Limited {
             head: parts.method == http::Method::HEAD,
             base: limiter,
@@ -460,6 +634,9 @@ where
             refused_at: None,
             slot_waited: Duration::ZERO,
             guard: None,
+            window_limit,
+            chain: None,
+            hold: None,
         }
     }
 
@@ -604,6 +781,20 @@ where
                 }
             }
         }
+        match &self.window_limit {
+            Some(limit) if limit.never_fits() => {
+                self.count(LimitName::Window, Some((false, AnsweredBy::Module)));
+                if !self.shadowed(LimitName::Window) {
+                    self.give_back().await;
+                    return Err(Refusal::Window {
+                        exceeded: "tokens",
+                        retry_after: RetryAfter::Never,
+                    });
+                }
+            }
+            Some(limit) => self.ask_window(limit.clone()).await?,
+            None => {}
+        }
         Ok(Admitted {
             request_id: self.request_id.clone(),
             api_key: self.api_key.clone(),
@@ -611,7 +802,45 @@ where
             key: self.key,
             quota: self.quota,
             rows: ReportRows::default(),
+            window: self.hold.clone(),
         })
+    }
+
+    /// Holds the request's estimate on its window chain.
+    async fn ask_window(&mut self, limit: WindowLimit) -> Result<(), Refusal> {
+        let reserved = self
+            .limiter
+            .reserve(&limit.scopes, limit.tokens(), limit.window, limit.hold)
+            .await;
+        let reservation = match reserved {
+            Ok(reservation) => reservation,
+            Err(error) => return Err(self.failed(&error).await),
+        };
+        let admission = reservation.admission();
+        self.chain = Some(admission);
+        self.count(
+            LimitName::Window,
+            Some((admission.admitted, admission.answered_by)),
+        );
+        if !admission.admitted && !self.shadowed(LimitName::Window) {
+            self.give_back().await;
+            // None left, or the estimate does not fit beside what is counted.
+            let exceeded = match admission.requests_remaining {
+                Some(0) => "requests",
+                _ => "tokens",
+            };
+            return Err(Refusal::Window {
+                exceeded,
+                retry_after: admission.retry_after,
+            });
+        }
+        // A refusal the window in shadow let through holds nothing: no hold.
+        self.hold = admission.admitted.then(|| TokenHold {
+            admission,
+            reserved: reservation.reserved(),
+            reservation: Arc::new(Held(tokio::sync::Mutex::new(Some(reservation)))),
+        });
+        Ok(())
     }
 
     /// Asks `ask` of the limiter waiting up to the longest of `limits`' waits (or of the
@@ -710,11 +939,16 @@ where
         }
     }
 
-    /// Gives back the tokens the buckets took from Redis for a request a later limit
-    /// refused, and shows what the buckets hold after it. Only Redis's: a forwarded take
-    /// took nothing, a local one is not worth a token that a refund to Redis, or to a
-    /// local bucket cleared since, would mint; and nothing during a back-off.
+    /// Gives back what the earlier limits took for a request a later limit refused: its
+    /// slot, and the tokens the buckets took from Redis (the headers then show what the
+    /// buckets hold after it). Only Redis's: a forwarded take took nothing, a local one
+    /// is not worth a token that a refund to Redis, or to a local bucket cleared since,
+    /// would mint; and nothing during a back-off.
     async fn give_back(&mut self) {
+        if let Some(guard) = self.guard.take() {
+            // A failed release goes on in the background (LeaseGuard::release).
+            drop(guard.release().await);
+        }
         for (bucket, decision) in [
             (&self.client_bucket, &mut self.client),
             (&self.key_bucket, &mut self.key),
@@ -748,6 +982,9 @@ where
         }
         if let Some((max, live)) = self.slots {
             headers = headers.slots(max, live);
+        }
+        if let (Some(limit), Some(admission)) = (&self.window_limit, &self.chain) {
+            headers = headers.window(&limit.scopes, admission, limit.window);
         }
         if let Some(refusal) = &self.lease_refused {
             headers = headers.lease_refused(refusal);
@@ -805,6 +1042,7 @@ where
         parts.headers.extend(fields);
         let at_end = Box::new(AtEnd {
             guard: self.guard.take(),
+            hold: self.hold.take(),
             // Its own id: a second add with the request's would be a replay.
             rows: quota.map(|(key, quota)| (self.base.clone(), key, quota, rows)),
         });
@@ -834,6 +1072,7 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     guard: Option<LeaseGuard<C>>,
+    hold: Option<TokenHold>,
     rows: Option<(Limiter<C>, String, Quota, ReportRows)>,
 }
 
@@ -856,13 +1095,17 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     fn end(mut self: Box<Self>) -> Option<JoinHandle<()>> {
-        if self.guard.is_none() && self.rows.is_none() {
+        if self.guard.is_none() && self.hold.is_none() && self.rows.is_none() {
             return None; // nothing to end: no task
         }
         let runtime = tokio::runtime::Handle::try_current().ok()?;
         let guard = self.guard.take();
+        let hold = self.hold.take();
         let rows = self.rows.take();
         Some(runtime.spawn(async move {
+            if let Some(hold) = hold {
+                hold.end().await;
+            }
             if let Some(guard) = guard {
                 // A failed release goes on in the background (LeaseGuard::release).
                 drop(guard.release().await);
@@ -880,11 +1123,19 @@ where
 {
     fn drop(&mut self) {
         drop(self.guard.take());
-        let Some((limiter, key, quota, rows)) = self.rows.take() else {
+        let (hold, rows) = (self.hold.take(), self.rows.take());
+        if hold.is_none() && rows.is_none() {
             return;
-        };
+        }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { add_late_rows(&limiter, &key, &quota, &rows).await });
+            runtime.spawn(async move {
+                if let Some(hold) = hold {
+                    hold.end().await;
+                }
+                if let Some((limiter, key, quota, rows)) = rows {
+                    add_late_rows(&limiter, &key, &quota, &rows).await;
+                }
+            });
         }
     }
 }

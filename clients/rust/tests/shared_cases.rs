@@ -236,6 +236,14 @@ fn refusal_answers() {
                 retry_after: seconds() as u64,
             },
             "concurrency" => Refusal::Concurrency,
+            "window" => Refusal::Window {
+                exceeded: if refusal["exceeded"] == "requests" {
+                    "requests"
+                } else {
+                    "tokens"
+                },
+                retry_after: RetryAfter::from_reply(seconds()).unwrap(),
+            },
             "unavailable" => Refusal::Unavailable {
                 retry_after: seconds() as u64,
             },

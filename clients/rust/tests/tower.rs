@@ -891,6 +891,205 @@ async fn a_model_route_reports_its_window_as_openai_does() {
     assert!((1..=60).contains(&retry), "{retry}");
 }
 
+/// The gateway's `/limits` counts of one limit: (allowed, refused, shadow).
+async fn limit_counts(gateway: &Gateway, limit: &str) -> (u64, u64, bool) {
+    let counts = reqwest::get(format!("{}/limits", gateway.base));
+    let counts = counts.await.unwrap().text().await.unwrap();
+    let counts: serde_json::Value = serde_json::from_str(&counts).unwrap();
+    let limit = &counts[limit];
+    (
+        limit["allowed"].as_u64().unwrap(),
+        limit["refused"].as_u64().unwrap(),
+        limit["shadow"].as_bool().unwrap(),
+    )
+}
+
+/// Issue 35: the layer's window option holds a model call's estimate; a call the window
+/// refuses answers 429 naming requests or tokens, with the window's fields and the
+/// quota's, gives back its bucket's token and its slot and adds no call to the quota;
+/// an estimate above the window's tokens never fits (no retry-after). With the module
+/// and without it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_window_option_refuses_gives_back_and_says_why() {
+    if external("the_window_option_refuses_gives_back_and_says_why") {
+        return;
+    }
+    for without_module in [false, true] {
+        let server = server(without_module);
+        let mut con = server.client().get_connection().unwrap();
+        let flags = [
+            "--key-limit",
+            "100/3600",
+            "--max-concurrent",
+            "2",
+            "--tpm",
+            "1000",
+            "--rpm",
+            "3",
+            "--quota-calls",
+            "1000",
+            "--quota-per",
+            "day",
+        ];
+        let gateway = Gateway::start(&server, &flags);
+        let (bucket, slots) = ("qag:ratelimit:key:100/3600:acme~g", "qag:running:acme~g");
+        let calls = |con: &mut Connection| -> i64 {
+            let calls: Option<i64> = cmd("HGET")
+                .arg("qag:quota:acme~g")
+                .arg("calls")
+                .query(con)
+                .unwrap();
+            calls.unwrap_or(0)
+        };
+        let ask = |query: &str| {
+            let url = gateway.url(&format!("key=acme~g&{query}"));
+            async move { answer(reqwest::get(url).await.unwrap()).await }
+        };
+        let what = format!("module {}", !without_module);
+        let first = ask("reserve=600&tokens=500").await;
+        assert_eq!(first.status, 200, "{what}");
+        // Its own 600 held.
+        assert_eq!(first.number("x-ratelimit-remaining-tokens"), Some(400));
+        let refused = ask("reserve=600&tokens=500").await;
+        assert_eq!(refused.status, 429, "{what}: {}", refused.body);
+        let body: serde_json::Value = serde_json::from_str(&refused.body).unwrap();
+        assert_eq!(
+            (&body["code"], &body["exceeded"], &body["error"]),
+            (
+                &serde_json::json!("rate_limited"),
+                &serde_json::json!("tokens"),
+                &serde_json::json!("Token rate limit exceeded")
+            ),
+            "{body}"
+        );
+        let retry = refused.number("retry-after").unwrap();
+        assert_eq!(body["retry_after"].as_i64(), Some(retry));
+        assert!((1..=120).contains(&retry), "{retry}");
+        assert_eq!(refused.number("x-ratelimit-remaining-tokens"), Some(500));
+        assert_eq!(refused.number("x-ratelimit-remaining-requests"), Some(2));
+        // Given back: its token, its slot; and its call is not on the quota.
+        assert_eq!(refused.number("x-ratelimit-key-remaining"), Some(99));
+        assert_eq!(refused.number("x-quota-remaining-calls"), Some(999));
+        assert_eq!(bucket_tokens(&mut con, bucket), Some(99), "{what}");
+        assert_eq!((live_leases(&mut con, slots), calls(&mut con)), (0, 1));
+        // 5000 tokens can never fit in 1000 a minute: no wait helps, none is named.
+        let never = ask("reserve=5000&tokens=1").await;
+        assert_eq!(never.status, 429);
+        assert_eq!(never.text("retry-after"), None);
+        assert!(
+            never
+                .body
+                .contains(r#""retry_after":null,"exceeded":"tokens""#),
+            "{}",
+            never.body
+        );
+        // Three requests a minute: two more fit, the next names requests.
+        for _ in 0..2 {
+            assert_eq!(ask("reserve=100&tokens=100").await.status, 200);
+        }
+        let no_requests = ask("reserve=100&tokens=100").await;
+        assert_eq!(no_requests.status, 429, "{}", no_requests.body);
+        assert!(no_requests.body.contains(r#""exceeded":"requests""#));
+        assert_eq!(
+            no_requests.number("x-ratelimit-remaining-requests"),
+            Some(0)
+        );
+        assert_eq!(bucket_tokens(&mut con, bucket), Some(97), "{what}");
+        assert_eq!((live_leases(&mut con, slots), calls(&mut con)), (0, 3));
+        assert_eq!(limit_counts(&gateway, "window").await, (3, 3, false));
+        let window = "qag:win:{acme~g}:tokens";
+        assert_eq!(
+            (counted(&mut con, window, "tok:"), held(&mut con, window)),
+            (700, 0),
+            "{what}"
+        );
+    }
+}
+
+/// Issue 35: a window in shadow is asked and counted; a call it refuses is served,
+/// holds nothing and charges nothing, and the refusal is logged.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_window_in_shadow_lets_its_refusals_through_holding_nothing() {
+    if external("a_window_in_shadow_lets_its_refusals_through_holding_nothing") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let log = std::env::temp_dir().join(format!("qag-window-shadow-{}.log", std::process::id()));
+    let flags = ["--tpm", "1000", "--shadow", "window"];
+    let gateway = Gateway::start_logging(&server, &flags, Some(&log));
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let url = gateway.url("key=acme~h&reserve=600&tokens=500");
+        answers.push(answer(reqwest::get(url).await.unwrap()).await);
+    }
+    let statuses: Vec<u16> = answers.iter().map(|answer| answer.status).collect();
+    assert_eq!(statuses, [200, 200, 200]);
+    assert_eq!(answers[1].number("x-ratelimit-remaining-tokens"), Some(500));
+    assert_eq!(limit_counts(&gateway, "window").await, (1, 2, true));
+    let window = "qag:win:{acme~h}:tokens";
+    assert_eq!(
+        (counted(&mut con, window, "tok:"), held(&mut con, window)),
+        (500, 0)
+    );
+    drop(gateway);
+    let text = std::fs::read_to_string(&log).unwrap();
+    std::fs::remove_file(&log).ok();
+    assert!(
+        text.contains("shadow: the window limit refused request"),
+        "{text}"
+    );
+}
+
+/// Issue 35: a quota of rows counts what the handler reports; once spent, its 429 names
+/// rows, with `x-quota-remaining-rows: 0`, the reset, and the draft's `"rows"` item
+/// agreeing with retry-after.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rows_quota_refuses_with_its_fields() {
+    if external("a_rows_quota_refuses_with_its_fields") {
+        return;
+    }
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let flags = ["--quota-rows", "100", "--quota-per", "day"];
+    let gateway = Gateway::start(&server, &flags);
+    let ask = |query: &str| {
+        let url = gateway.url(&format!("key=acme~q&{query}"));
+        async move { answer(reqwest::get(url).await.unwrap()).await }
+    };
+    let first = ask("rows=60").await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.number("x-quota-remaining-rows"), Some(40));
+    let second = ask("rows=60").await;
+    assert_eq!(second.status, 200);
+    assert_eq!(second.number("x-quota-remaining-rows"), Some(0));
+    let refused = ask("rows=1").await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    let body: serde_json::Value = serde_json::from_str(&refused.body).unwrap();
+    assert_eq!(
+        (&body["code"], &body["exceeded"]),
+        (
+            &serde_json::json!("quota_exceeded"),
+            &serde_json::json!("rows")
+        )
+    );
+    assert_eq!(refused.number("x-quota-remaining-rows"), Some(0));
+    assert_eq!(refused.text("x-quota-remaining-calls"), None);
+    assert_eq!(refused.number("x-quota-reset"), body["resets_at"].as_i64());
+    let items = draft_items("ratelimit", &refused.text("ratelimit").unwrap()).unwrap();
+    assert_eq!(items.keys().collect::<Vec<_>>(), ["rows"]);
+    let retry = refused.number("retry-after").unwrap();
+    assert_eq!(items["rows"].get("r"), Some(&Param::Integer(0)));
+    assert_eq!(items["rows"].get("t"), Some(&Param::Integer(retry)));
+    assert_eq!(body["retry_after"].as_i64(), Some(retry));
+    let rows: Option<i64> = cmd("HGET")
+        .arg("qag:quota:acme~q")
+        .arg("rows")
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(rows, Some(120));
+}
+
 /// Issue 35: a limit in shadow counts as usual and refuses no one: 200 requests at once
 /// over a key bucket of 60 a minute are all answered 200; the limit's counts show 60
 /// allowed (and what refilled meanwhile, one a second) and the rest refused; its

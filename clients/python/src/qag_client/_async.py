@@ -194,6 +194,13 @@ class AsyncReservation(driver.ReservationGuard):
         (the same id: it counts once)."""
         return await self._limiter._drive(self._commit(actual))
 
+    async def release(self) -> None:
+        """Commits what was charged and releases the hold now, if nothing was
+        committed (leaving the block then does nothing): the end of a response whose
+        handler did not commit. Raises what the commit met (it goes on in the
+        background)."""
+        await self._limiter._drive(self._release())
+
     async def __aexit__(self, *exc_info: Any) -> None:
         self._exit()
 

@@ -1291,6 +1291,10 @@ class ReservationGuard(HoldView):
                     f"actual is the whole count, partials included: at least {state.charged}"
                 )
             state.done = True
+        return (yield from self._send_commit(actual))
+
+    def _send_commit(self, actual: int) -> Driven[int]:
+        state = self._state
         limiter, node = self._limiter, self._guard_node()
         try:
             recorded = yield from limiter._run(node, node.engine.commit(state, actual))
@@ -1301,6 +1305,15 @@ class ReservationGuard(HoldView):
         if state.in_redis and recorded.answered_by not in ("module", "script"):
             limiter._commit_later(state, actual)
         return recorded.scopes
+
+    def _release(self) -> Driven[None]:
+        """Commits what was charged and releases the hold now, if it is still open."""
+        state = self._state
+        with self._lock:
+            if state.done or state.admission is None or not state.admission.admitted:
+                return
+            state.done = True
+        yield from self._send_commit(state.charged)
 
     def _exit(self) -> None:
         state = self._state

@@ -8,7 +8,10 @@ any web framework: what the ASGI middleware (``qag_client.asgi``) and the WSGI o
 2. the key's bucket: 429 ``rate_limited`` ("for this API key"), the client's token
    given back;
 3. the key's quota: 429 ``quota_exceeded``, both tokens given back;
-4. the key's concurrency slot: 429 ``too_many_concurrent``, both tokens given back.
+4. the key's concurrency slot: 429 ``too_many_concurrent``, both tokens given back;
+5. a window chain, for a model API (``window=``): the request's estimate of tokens
+   held on every scope (QAG.ADMIT ... RESERVE), 429 ``rate_limited`` naming
+   ``requests`` or ``tokens``, the tokens and the slot given back.
 
 The buckets and the quota's check go in one round trip where they can share one
 (``take_with_quota``), so a bucket's refusal shows the quota too. A limit in shadow is
@@ -39,6 +42,7 @@ from typing import (
     List,
     Mapping,
     Optional,
+    Sequence,
     Tuple,
     Union,
 )
@@ -48,12 +52,14 @@ from ._driver import Budget, spending
 from ._policy import LogEvery
 from .answers import Refusal
 from .decisions import (
+    Admission,
     Decision,
     QagBusy,
     QagError,
     QagRefused,
     Quota,
     QuotaDecision,
+    Scope,
     TakenWithQuota,
     wait_words,
 )
@@ -65,7 +71,7 @@ log = logging.getLogger("qag_client")
 Rate = Tuple[int, float]
 
 # The limits the middleware asks, in the order it asks them.
-LIMITS = ("client", "key", "quota", "concurrency")
+LIMITS = ("client", "key", "quota", "concurrency", "window")
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,34 @@ class KeyLimits:
     quota: Optional[Quota] = None
 
 
+@dataclass(frozen=True)
+class WindowLimit:
+    """A request's window chain, for a model API: the scopes it is counted in (e.g. its
+    organisation's, its key's, its model's: ``Scope(key, rpm, tpm)`` or
+    ``(key, rpm, tpm)``), the tokens held for it until it commits its actual count (its
+    estimate: e.g. the prompt's tokens plus ``max_tokens``; admitted only if they fit on
+    every scope beside what is counted and held), the window's seconds (None: 60) and
+    how long the hold may count at most (None: until the end of the next window)."""
+
+    scopes: Sequence[Union[Scope, Tuple[str, int, int]]]
+    estimate: int
+    window: Optional[int] = None
+    hold_ms: Optional[int] = None
+
+    @property
+    def chain(self) -> List[Scope]:
+        return [scope if isinstance(scope, Scope) else Scope(*scope) for scope in self.scopes]
+
+    @property
+    def tokens(self) -> int:
+        """The tokens to hold: the estimate, at least 1 (a reservation holds some)."""
+        return max(self.estimate, 1)
+
+    def never_fits(self) -> bool:
+        """The estimate is above a scope's tokens per window: no wait lets it in."""
+        return any(0 < scope.tpm < self.tokens for scope in self.chain)
+
+
 class RequestParts:
     """What the extractors see of a request, the same under ASGI and WSGI: the peer's
     address, the header fields (lowercase names; the first of repeated ones), the query
@@ -143,6 +177,8 @@ class RequestParts:
 
 
 Extract = Callable[[RequestParts], Optional[str]]
+# A request's window chain, from its parts and its API key (None: it has none).
+WindowOf = Callable[[RequestParts, Optional[str]], Optional[WindowLimit]]
 
 
 def query_parameter(name: str) -> Extract:
@@ -180,6 +216,7 @@ class Config:
     limit_states: Dict[str, LimitState] = field(default_factory=dict, compare=False)
     # Seconds a request may wait for a limit's turn (WAIT), by limit.
     waits: Dict[str, float] = field(default_factory=dict)
+    window: Optional[WindowOf] = None
 
     @staticmethod
     def of(
@@ -193,6 +230,7 @@ class Config:
         draft_headers: bool,
         shadow: Iterable[str] = (),
         wait: Optional[Dict[str, float]] = None,
+        window: Optional[WindowOf] = None,
     ) -> "Config":
         address = client_address or _peer
         if trusted_proxy_header is not None:
@@ -225,6 +263,7 @@ class Config:
             limiter._deadline,
             limit_states={limit: LimitState(limit in shadowed) for limit in LIMITS},
             waits=waits,
+            window=window,
         )
 
     def limit_counts(self, limit: str) -> LimitCounts:
@@ -265,8 +304,12 @@ class ReportRows:
 @dataclass
 class Admitted:
     """What the middleware decided, for the handler: the decisions (None where not
-    counted; ``quota`` is the check before the call) and ``rows.add(n)`` to report rows
-    for the key's quota."""
+    counted; ``quota`` is the check before the call), ``rows.add(n)`` to report rows
+    for the key's quota, and ``window``: the tokens the request holds on its window
+    chain (an entered ``AsyncReservation`` under ASGI, ``Reservation`` under WSGI), if
+    it asked one and was admitted (a refusal a window in shadow let through holds
+    none): ``charge(n)`` as the response streams, ``commit(actual)`` at its end; left
+    uncommitted, what was charged is committed when the response ends."""
 
     request_id: str
     api_key: Optional[str]
@@ -274,13 +317,15 @@ class Admitted:
     key: Optional[Decision]
     quota: Optional[QuotaDecision]
     rows: ReportRows = field(default_factory=ReportRows)
+    window: Any = None
 
 
 @dataclass(frozen=True)
 class Call:
     """A limiter call for the driver: ``method`` of the limiter with ``arguments`` (and
     ``wait=`` when it may wait); "lease" takes a slot (the guard's enter) and answers
-    the guard, "lease_exit" leaves it."""
+    the guard, "lease_exit" leaves it; "reserve" enters a reservation (``WindowLimit``)
+    and answers the guard, "reserve_end" commits what it charged if it is still open."""
 
     method: str
     arguments: Tuple[Any, ...]
@@ -341,6 +386,10 @@ class Limiting:
         # Seconds the request waited for its slot (WAIT).
         self.slot_waited = 0.0
         self.lease: Any = None
+        self.window_limit = None if config.window is None else config.window(parts, self.api_key)
+        # The chain's answer, once asked, and the reservation holding its tokens.
+        self.chain: Optional[Admission] = None
+        self.hold: Any = None
         self.admitted: Optional[Admitted] = None
         self._ended = False
 
@@ -431,15 +480,36 @@ class Limiting:
                 self._count("concurrency", self.lease)
                 if self.lease.answered_by != "forwarded":
                     self.slots = (max_slots, self.lease.live)
-        self.admitted = Admitted(self.request_id, self.api_key, self.client, self.key, self.quota)
+        if self.window_limit is not None and self.window_limit.never_fits():
+            self.config.limit_states["window"].count(False)
+            if not self._shadowed("window"):
+                yield from self._give_back()
+                return Refusal("window", None, "tokens")
+        elif self.window_limit is not None:
+            hold = yield Call("reserve", (self.window_limit,))
+            self.chain = admission = hold.admission
+            self._count("window", admission)
+            if not admission.admitted and not self._shadowed("window"):
+                yield from self._give_back()
+                # None left, or the estimate does not fit beside what is counted.
+                exceeded = "requests" if admission.requests_remaining == 0 else "tokens"
+                return Refusal("window", admission.retry_after, exceeded)
+            # A refusal the window in shadow let through holds nothing: no hold.
+            self.hold = hold if admission.admitted else None
+        self.admitted = Admitted(
+            self.request_id, self.api_key, self.client, self.key, self.quota, window=self.hold
+        )
         return self.admitted
 
     def _count(self, limit: str, decision: Any) -> None:
-        """Counts a limit's decision (a Decision, QuotaDecision, Lease or QagRefused); a
-        forwarded one counted nothing."""
+        """Counts a limit's decision (a Decision, QuotaDecision, Lease, QagRefused or
+        Admission); a forwarded one counted nothing."""
         if decision is None or decision.answered_by == "forwarded":
             return
-        allowed = not isinstance(decision, QagRefused) and getattr(decision, "allowed", True)
+        if isinstance(decision, Admission):
+            allowed = decision.admitted
+        else:
+            allowed = not isinstance(decision, QagRefused) and getattr(decision, "allowed", True)
         self.config.limit_states[limit].count(allowed)
 
     def _shadowed(self, limit: str) -> bool:
@@ -460,10 +530,14 @@ class Limiting:
         return True
 
     def _give_back(self) -> Step:
-        """Gives back the tokens the buckets took from Redis for a request a later limit
-        refused; the headers then show what the buckets hold after it. Only Redis's: a
-        forwarded take took nothing, and a local one is not worth a token that a refund
-        to Redis (or to a local bucket cleared since) would mint."""
+        """Gives back what the earlier limits took for a request a later limit refused:
+        its slot, and the tokens the buckets took from Redis (the headers then show what
+        the buckets hold after it). Only Redis's: a forwarded take took nothing, and a
+        local one is not worth a token that a refund to Redis (or to a local bucket
+        cleared since) would mint."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            yield Call("lease_exit", (lease,))
         for bucket, side in ((self.client_bucket, "client"), (self.key_bucket, "key")):
             taken: Optional[Decision] = getattr(self, side)
             if bucket is None or taken is None or not taken.allowed:
@@ -486,8 +560,14 @@ class Limiting:
             now=self.refused_at,
             draft=self.config.draft_headers,
             slots=self.slots,
+            chain=None if self.chain is None else (self.window_chain, self.chain),
+            window=None if self.window_limit is None else self.window_limit.window,
             slot_waited=self.slot_waited,
         )
+
+    @property
+    def window_chain(self) -> List[Scope]:
+        return [] if self.window_limit is None else self.window_limit.chain
 
     def refused(self, refusal: Refusal) -> Tuple[int, Fields, bytes]:
         """The refusal's status, header fields and body."""
@@ -523,6 +603,12 @@ class Limiting:
         if self._ended:
             return None
         self._ended = True
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            try:
+                yield Call("reserve_end", (hold,))
+            except QagError as error:  # the commit goes on in the background
+                log.warning("qag: committing a window's hold failed: %s", error)
         lease, self.lease = self.lease, None
         if lease is not None:
             yield Call("lease_exit", (lease,))
@@ -556,6 +642,11 @@ def _asked(call: Call) -> Step:
         return (yield Call(call.method, call.arguments))
 
 
+def _reservation(limiter: Any, limit: WindowLimit) -> Any:
+    """The reservation guard of ``limit``, not entered."""
+    return limiter.reserve(limit.chain, limit.tokens, window=limit.window, hold_ms=limit.hold_ms)
+
+
 def drive_sync(limiter: Any, step: Step, budget: Budget) -> Any:
     """Runs a step with the blocking ``Limiter``, its calls spending the request's
     ``budget``."""
@@ -578,6 +669,10 @@ def _drive_sync(limiter: Any, step: Step) -> Any:
                 reply = guard.__enter__()
             elif call.method == "lease_exit":
                 call.arguments[0].__exit__(None, None, None)
+            elif call.method == "reserve":
+                reply = _reservation(limiter, call.arguments[0]).__enter__()
+            elif call.method == "reserve_end":
+                call.arguments[0].release()
             else:
                 reply = getattr(limiter, call.method)(*call.arguments, **call.options)
         except QagError as failed:
@@ -606,6 +701,10 @@ async def _drive_async(limiter: Any, step: Step) -> Any:
                 reply = await guard.__aenter__()
             elif call.method == "lease_exit":
                 await call.arguments[0].__aexit__(None, None, None)
+            elif call.method == "reserve":
+                reply = await _reservation(limiter, call.arguments[0]).__aenter__()
+            elif call.method == "reserve_end":
+                await call.arguments[0].release()
             else:
                 reply = await getattr(limiter, call.method)(*call.arguments, **call.options)
         except QagError as failed:

@@ -211,6 +211,13 @@ class Reservation(driver.ReservationGuard):
         (the same id: it counts once)."""
         return self._limiter._drive(self._commit(actual))
 
+    def release(self) -> None:
+        """Commits what was charged and releases the hold now, if nothing was
+        committed (leaving the block then does nothing): the end of a response whose
+        handler did not commit. Raises what the commit met (it goes on in the
+        background)."""
+        self._limiter._drive(self._release())
+
     def __exit__(self, *exc_info: Any) -> None:
         self._exit()
 

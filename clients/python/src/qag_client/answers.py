@@ -8,13 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-KINDS = ("client", "key", "quota", "concurrency", "unavailable")
+KINDS = ("client", "key", "quota", "concurrency", "window", "unavailable")
 
 _CODES = {
     "client": "rate_limited",
     "key": "rate_limited",
     "quota": "quota_exceeded",
     "concurrency": "too_many_concurrent",
+    "window": "rate_limited",
     "unavailable": "limiter_unavailable",
 }
 
@@ -23,6 +24,7 @@ _MESSAGES = {
     "key": "Rate limit exceeded for this API key",
     "quota": "Quota exceeded for this API key",
     "concurrency": "Too many concurrent requests for this API key",
+    "window": "Token rate limit exceeded",
     "unavailable": "Rate limiting is unavailable",
 }
 
@@ -33,8 +35,10 @@ class Refusal:
     caller's address spent its bucket; the key's was not touched), ``"key"`` (the API
     key spent its bucket), ``"quota"`` (``exceeded`` is "calls" or "rows",
     ``resets_at`` the period's end in Unix seconds), ``"concurrency"`` (every slot of
-    the key is held), ``"unavailable"`` (Redis failed under the "raise" policy).
-    ``retry_after``: the wait in seconds, None for a bucket cost that never fits."""
+    the key is held), ``"window"`` (a window chain, a model API's requests and tokens
+    per window, has no room: ``exceeded`` is "requests" or "tokens"), ``"unavailable"``
+    (Redis failed under the "raise" policy). ``retry_after``: the wait in seconds, None
+    for a cost that never fits (a bucket's, or an estimate beyond a window's tokens)."""
 
     kind: str
     retry_after: Optional[int] = 0
@@ -56,6 +60,8 @@ class Refusal:
 
     @property
     def message(self) -> str:
+        if self.kind == "window" and self.exceeded == "requests":
+            return "Request rate limit exceeded"
         return _MESSAGES[self.kind]
 
     @property
@@ -64,12 +70,13 @@ class Refusal:
         if self.kind == "concurrency":
             return 1
         if self.retry_after is None:
-            return None if self.kind in ("client", "key") else 1
+            return None if self.kind in ("client", "key", "window") else 1
         return max(self.retry_after, 1)
 
     def body(self, request_id: str) -> str:
-        """``{"error", "code", "retry_after", ["exceeded", "resets_at",] "request_id"}``
-        in that order; ``retry_after`` null for a cost that never fits."""
+        """``{"error", "code", "retry_after", ["exceeded", ["resets_at",]] "request_id"}``
+        in that order (``exceeded`` for a quota and a window, ``resets_at`` for a
+        quota); ``retry_after`` null for a cost that never fits."""
         seconds = self.seconds
         body = (
             f'{{"error":"{self.message}","code":"{self.code}",'
@@ -77,6 +84,8 @@ class Refusal:
         )
         if self.kind == "quota":
             body += f',"exceeded":"{self.exceeded}","resets_at":{self.resets_at}'
+        elif self.kind == "window":
+            body += f',"exceeded":"{self.exceeded}"'
         return body + f',"request_id":{json_string(request_id)}}}'
 
 

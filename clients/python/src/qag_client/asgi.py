@@ -37,6 +37,8 @@ from ._gateway import (
     Rate,
     ReportRows,
     RequestParts,
+    WindowLimit,
+    WindowOf,
     drive_async,
     header,
     query_parameter,
@@ -84,7 +86,19 @@ class RateLimitMiddleware:
     by the server in arrival order across every gateway instance (the limiter's
     ``wait=``), the 429 only when the wait cannot fit, and a request that waited says how
     long in ``server-timing`` (``qag-wait;dur=<ms>``); a request's two buckets, taken
-    together, wait up to the longer of their waits."""
+    together, wait up to the longer of their waits; ``window``: a function of a
+    request's ``RequestParts`` and API key giving its ``WindowLimit`` (None: it has
+    none), for a model API: asked last, after its slot, so that a request another
+    limit refuses never charges a request to the chain; its estimate is held on every
+    scope until the handler commits the actual count through ``Admitted.window``
+    (an ``AsyncReservation``; uncommitted, what it charged is committed when the
+    response ends), a refusal answers 429 ``rate_limited`` naming ``requests`` or
+    ``tokens`` (an estimate above a scope's tokens never fits: no ``retry-after``) and
+    gives back the tokens and the slot taken, and every answer of a request that asked
+    carries the chain's OpenAI-style ``x-ratelimit-*-requests`` and ``-tokens`` fields.
+    An estimate that depends on the body: read it in a middleware before this one and
+    put it in the scope, where ``RequestParts.raw`` finds it. The window never waits
+    (QAG.ADMIT has no ``WAIT``)."""
 
     def __init__(
         self,
@@ -100,6 +114,7 @@ class RateLimitMiddleware:
         draft_headers: bool = True,
         shadow: Iterable[str] = (),
         wait: Optional[Dict[str, float]] = None,
+        window: Optional[WindowOf] = None,
     ) -> None:
         self.app = app
         self.limiter = limiter
@@ -114,10 +129,11 @@ class RateLimitMiddleware:
             draft_headers,
             shadow,
             wait,
+            window,
         )
 
     def limit_counts(self, limit: str) -> LimitCounts:
-        """How ``limit`` ("client", "key", "quota" or "concurrency") answered since the
+        """How ``limit`` ("client", "key", "quota", "concurrency" or "window") answered since the
         middleware was made: for metrics, and to watch a limit in shadow."""
         return self.config.limit_counts(limit)
 
@@ -174,6 +190,7 @@ __all__ = [
     "RateLimitMiddleware",
     "ReportRows",
     "RequestParts",
+    "WindowLimit",
     "STATE_KEY",
     "header",
     "query_parameter",

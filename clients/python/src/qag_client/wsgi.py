@@ -19,6 +19,8 @@ from ._gateway import (
     Limiting,
     Rate,
     RequestParts,
+    WindowLimit,
+    WindowOf,
     drive_sync,
     header,
     query_parameter,
@@ -51,7 +53,8 @@ def _parts(environ: Environ) -> RequestParts:
 
 
 class RateLimitWSGI:
-    """The middleware; its options are ``qag_client.asgi.RateLimitMiddleware``'s."""
+    """The middleware; its options are ``qag_client.asgi.RateLimitMiddleware``'s
+    (``Admitted.window`` is a ``Reservation``)."""
 
     def __init__(
         self,
@@ -67,6 +70,7 @@ class RateLimitWSGI:
         draft_headers: bool = True,
         shadow: Iterable[str] = (),
         wait: Optional[Dict[str, float]] = None,
+        window: Optional[WindowOf] = None,
     ) -> None:
         self.app = app
         self.limiter = limiter
@@ -81,10 +85,11 @@ class RateLimitWSGI:
             draft_headers,
             shadow,
             wait,
+            window,
         )
 
     def limit_counts(self, limit: str) -> LimitCounts:
-        """How ``limit`` ("client", "key", "quota" or "concurrency") answered since the
+        """How ``limit`` ("client", "key", "quota", "concurrency" or "window") answered since the
         middleware was made: for metrics, and to watch a limit in shadow."""
         return self.config.limit_counts(limit)
 
@@ -139,6 +144,7 @@ __all__ = [
     "LimitCounts",
     "RateLimitWSGI",
     "RequestParts",
+    "WindowLimit",
     "header",
     "query_parameter",
 ]
