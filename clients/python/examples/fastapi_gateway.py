@@ -27,6 +27,7 @@ a request beyond them is answered at once.
 
 import argparse
 import asyncio
+import contextlib
 import socket
 from typing import Any, AsyncIterator, Callable, Optional, Tuple
 
@@ -78,18 +79,17 @@ async def complete(
     # charges what it streams as it goes and commits its count at the end.
     hold = limits.window  # None for a refusal a window in shadow let through
     parts = max(parts, 1)
-    try:
-        for _ in range(parts):
-            await asyncio.sleep(work_ms / 1000 / parts)  # the model streams a part
-            if await request.is_disconnected():
-                # Left without a commit: the middleware commits what was charged.
-                return Response(status_code=499)
-            if hold is not None:
-                await hold.charge(tokens // parts)
+    for _ in range(parts):
+        await asyncio.sleep(work_ms / 1000 / parts)  # the model streams a part
+        if await request.is_disconnected():
+            # Left without a commit: the middleware commits what was charged.
+            return Response(status_code=499)
         if hold is not None:
+            with contextlib.suppress(QagError):  # Redis failed: the commit settles it
+                await hold.charge(tokens // parts)
+    if hold is not None:
+        with contextlib.suppress(QagError):  # Redis failed: sent again in the background
             await hold.commit(tokens)
-    except QagError:  # Redis failed meanwhile: the commit goes on in the background
-        pass
     return JSONResponse({"request_id": limits.request_id, "tokens": tokens})
 
 
