@@ -103,8 +103,11 @@ def model_window(
         if parts.raw["path"] != "/v1/complete":
             return None
         scope = (f"qag:win:{{{key or 'anonymous'}}}:tokens", rpm, tpm)
-        estimate = parts.query.get("estimate", "")
-        return WindowLimit([scope], int(estimate) if estimate.isdigit() else 1000)
+        try:
+            estimate = int(parts.query.get("estimate", "1000"))
+        except ValueError:
+            estimate = 1000
+        return WindowLimit([scope], estimate)
 
     return window
 

@@ -388,7 +388,10 @@ def test_the_wsgi_middleware_holds_a_model_calls_window(
         return Response(parts(), mimetype="text/plain")
 
     def window(parts: Any, key: Optional[str]) -> WindowLimit:
-        return WindowLimit([(f"qag:win:{{{key}}}:tokens", 0, 1000)], int(parts.query["estimate"]))
+        scope = (f"qag:win:{{{key}}}:tokens", 0, 1000)
+        # ?twice=1: a chain the module would refuse (one key twice).
+        scopes = [scope, scope] if parts.query.get("twice") else [scope]
+        return WindowLimit(scopes, int(parts.query["estimate"]))
 
     limiter = Limiter(server.client())
     app.wsgi_app = RateLimitWSGI(  # type: ignore[method-assign]
@@ -416,6 +419,13 @@ def test_the_wsgi_middleware_holds_a_model_calls_window(
     assert refused.json["exceeded"] == "tokens"
     assert refused.headers["x-ratelimit-remaining-tokens"] == "400"
     assert refused.headers["x-ratelimit-key-remaining"] == "98"
+    assert leases(server, "qag:running:acme~v") == 0
+    assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~v") == 98
+    # A chain the module would refuse: 503, as any limit that cannot be asked, with
+    # the slot and the token given back.
+    invalid = client.get("/v1/complete?key=acme~v&estimate=10&twice=1", buffered=True)
+    assert invalid.status_code == 503 and invalid.json is not None
+    assert invalid.json["code"] == "limiter_unavailable"
     assert leases(server, "qag:running:acme~v") == 0
     assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~v") == 98
     limiter.close()

@@ -1179,6 +1179,17 @@ class LeaseGuard:
             raise d.QagUnavailable("backing off: the lease is released in the background")
         return released is True
 
+    def _abandon(self) -> None:
+        """Left without its exit (the request interrupted before it could release the
+        slot): its renewals stop and the slot is released in the background."""
+        self._stop_renewals()
+        state = self._state
+        if state.done:
+            return
+        state.done = True
+        if state.in_redis:
+            self._limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+
     def _exit(self) -> Driven[None]:
         self._stop_renewals()
         state, limiter = self._state, self._limiter

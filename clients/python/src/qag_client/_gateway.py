@@ -61,6 +61,7 @@ from .decisions import (
     QuotaDecision,
     Scope,
     TakenWithQuota,
+    reserve_words,
     wait_words,
 )
 from .headers import headers
@@ -387,6 +388,18 @@ class Limiting:
         self.slot_waited = 0.0
         self.lease: Any = None
         self.window_limit = None if config.window is None else config.window(parts, self.api_key)
+        # Its scopes, made before anything is taken (a bad one raises here), and what
+        # the module would refuse of it (a 503 when it is asked, as in the Rust client).
+        self.window_chain: List[Scope] = []
+        self.window_invalid: Optional[str] = None
+        if self.window_limit is not None:
+            self.window_chain = self.window_limit.chain
+            if not self.window_limit.never_fits():
+                try:
+                    limit = self.window_limit
+                    reserve_words(self.window_chain, limit.window, limit.tokens, limit.hold_ms)
+                except ValueError as invalid:
+                    self.window_invalid = f"the window limit is invalid: {invalid}"
         # The chain's answer, once asked, and the reservation holding its tokens.
         self.chain: Optional[Admission] = None
         self.hold: Any = None
@@ -412,6 +425,12 @@ class Limiting:
                 )
             yield from self._give_back()
             return Refusal("unavailable", max(int(self.config.back_off), 1))
+        except BaseException:
+            # Interrupted (cancelled) after the slot was taken: released in the background.
+            lease, self.lease = self.lease, None
+            if lease is not None:
+                lease._abandon()
+            raise
 
     def _admit(self) -> Step:
         client_bucket, key_bucket, quota = self.client_bucket, self.key_bucket, self.limits.quota
@@ -486,6 +505,8 @@ class Limiting:
                 yield from self._give_back()
                 return Refusal("window", None, "tokens")
         elif self.window_limit is not None:
+            if self.window_invalid is not None:
+                raise QagError(self.window_invalid)
             hold = yield Call("reserve", (self.window_limit,))
             self.chain = admission = hold.admission
             self._count("window", admission)
@@ -565,10 +586,6 @@ class Limiting:
             slot_waited=self.slot_waited,
         )
 
-    @property
-    def window_chain(self) -> List[Scope]:
-        return [] if self.window_limit is None else self.window_limit.chain
-
     def refused(self, refusal: Refusal) -> Tuple[int, Fields, bytes]:
         """The refusal's status, header fields and body."""
         fields = [pair for pair in self._headers(self.quota) if pair[0] != "retry-after"]
@@ -604,14 +621,20 @@ class Limiting:
             return None
         self._ended = True
         hold, self.hold = self.hold, None
-        if hold is not None:
-            try:
-                yield Call("reserve_end", (hold,))
-            except QagError as error:  # the commit goes on in the background
-                log.warning("qag: committing a window's hold failed: %s", error)
         lease, self.lease = self.lease, None
-        if lease is not None:
-            yield Call("lease_exit", (lease,))
+        try:
+            if lease is not None:
+                yield Call("lease_exit", (lease,))
+            if hold is not None:
+                try:
+                    yield Call("reserve_end", (hold,))
+                except QagError as error:  # the commit goes on in the background
+                    log.warning("qag: committing a window's hold failed: %s", error)
+        finally:
+            if hold is not None:
+                # Interrupted before its end (cancelled): what was charged is committed
+                # in the background (nothing if it was committed).
+                hold._exit()
         quota = self.limits.quota
         if self.quota_key is not None and quota is not None and self.admitted is not None:
             late = self.admitted.rows.take()
@@ -677,6 +700,9 @@ def _drive_sync(limiter: Any, step: Step) -> Any:
                 reply = getattr(limiter, call.method)(*call.arguments, **call.options)
         except QagError as failed:
             error = failed
+        except BaseException:
+            step.close()  # its ``finally`` blocks run now, not when it is collected
+            raise
 
 
 async def drive_async(limiter: Any, step: Step, budget: Budget) -> Any:
@@ -709,3 +735,6 @@ async def _drive_async(limiter: Any, step: Step) -> Any:
                 reply = await getattr(limiter, call.method)(*call.arguments, **call.options)
         except QagError as failed:
             error = failed
+        except BaseException:
+            step.close()  # its ``finally`` blocks run now, not when it is collected
+            raise
