@@ -4,6 +4,8 @@ family (the cases shared with the Rust client are in test_shared_cases.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from importlib import resources
 from typing import Any, Callable, List, Tuple
 
@@ -11,7 +13,10 @@ import pytest
 
 from conftest import REPOSITORY
 from qag_client import Bucket, Limiter, QagServerError, QagUnavailable, Quota, Scope
+from qag_client._driver import Budget
 from qag_client._engine import admit_call, period_arguments, record_call, server_clock
+from qag_client._gateway import Config, KeyLimits, Limiting, RequestParts, WindowLimit, drive_async
+from qag_client.decisions import Admission
 from qag_client.local import LocalBuckets
 
 
@@ -520,3 +525,79 @@ def test_a_spend_calls_own_id_is_kept_briefly_and_an_older_module_is_asked_witho
     wrong = QagServerError("WRONGTYPE Operation against a key holding the wrong kind of value")
     failed, sent = drive(module_engine().record(["w"], 5, None, "m", 10), lambda _, n: wrong)
     assert failed is wrong and len(sent) == 1
+
+
+class _Guard:
+    """A lease or reservation guard of the fake limiter below: records what was done."""
+
+    def __init__(self, done: List[str], name: str, cancel_on: str = "") -> None:
+        self.done, self.name, self.cancel_on = done, name, cancel_on
+        self.waited, self.live, self.answered_by = 0.0, 1, "module"
+        self.admission = Admission(True, None, 0, 10, 100)
+
+    async def __aenter__(self) -> "_Guard":
+        if self.cancel_on == "enter":
+            raise asyncio.CancelledError
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.done.append(f"{self.name} exit")
+
+    async def release(self) -> None:
+        if self.cancel_on == "release":
+            raise asyncio.CancelledError
+        self.done.append(f"{self.name} release")
+
+    def _abandon(self) -> None:
+        self.done.append(f"{self.name} abandoned")
+
+    def _exit(self) -> None:
+        self.done.append(f"{self.name} left")
+
+
+class _Limiter:
+    """What the gateway's steps ask of a limiter, answered by guards that record."""
+
+    _back_off, _deadline = 5.0, 0.5
+
+    def __init__(self, cancel_on: str) -> None:
+        self.done: List[str] = []
+        self.cancel_on = cancel_on
+
+    def lease(self, *arguments: Any, **options: Any) -> _Guard:
+        return _Guard(self.done, "lease")
+
+    def reserve(self, *arguments: Any, **options: Any) -> _Guard:
+        return _Guard(self.done, "hold", self.cancel_on)
+
+
+def _limiting(limiter: _Limiter) -> Tuple[Limiting, Budget]:
+    window = lambda parts, key: WindowLimit([("w", 0, 1000)], 10)  # noqa: E731
+    config = Config.of(
+        limiter, None, None, None, lambda parts: "acme~x", KeyLimits(max_concurrent=2), 1000, True
+    )
+    config = dataclasses.replace(config, window=window)
+    request = Limiting(config, RequestParts({}, None, dict, ""))
+    return request, request.budget
+
+
+def test_a_request_interrupted_while_its_window_is_asked_leaves_its_slot() -> None:
+    """Cancelled while the window's reservation is entered, after the slot was taken:
+    the slot is released in the background, not left renewing."""
+    limiter = _Limiter("enter")
+    request, budget = _limiting(limiter)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(drive_async(limiter, request.admit(), budget))
+    assert limiter.done == ["lease abandoned"]
+
+
+def test_a_request_interrupted_at_its_end_releases_its_slot_and_its_hold() -> None:
+    """Cancelled while the window's hold is released at the response's end: the slot
+    was released first, and the hold is committed in the background."""
+    limiter = _Limiter("release")
+    request, budget = _limiting(limiter)
+    admitted = asyncio.run(drive_async(limiter, request.admit(), budget))
+    assert admitted.window is not None
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(drive_async(limiter, request.ended(), budget))
+    assert limiter.done == ["lease exit", "hold left"]
