@@ -20,7 +20,7 @@
 //! the handler has answered, with the rows it reported through [`ReportRows`]. A window
 //! chain's hold ([`TokenHold`]) is charged by the handler as it streams and committed
 //! with the actual count; what the handler left uncommitted is committed (what it
-//! charged) at the body's end, so the hold never outlives the response. Every response
+//! charged) at the body's end, so the hold does not outlive the response. Every response
 //! to a limited caller carries the headers of what was counted (a window chain's as
 //! OpenAI's `x-ratelimit-*-requests` and `-tokens`); the handler finds the decisions in
 //! the [`Admitted`] extension.
@@ -392,7 +392,9 @@ pub struct Admitted {
 /// for its handler: [`charge`](Self::charge) pays part of the count as the response
 /// streams, [`commit`](Self::commit) charges the whole count and releases the hold.
 /// Left uncommitted, what was charged is committed when the response body ends (or is
-/// dropped), so the hold never outlives the response. A clone is the same hold.
+/// dropped), so the hold does not outlive the response. A clone is the same hold: one
+/// the handler keeps beyond the response (say in a task of its own) keeps it, after a
+/// request that ended early (cancelled, an error), until the last clone is dropped.
 #[derive(Clone)]
 pub struct TokenHold {
     admission: Admission,
