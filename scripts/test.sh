@@ -28,7 +28,21 @@ python_oldest=$(scripts/python-env.sh redis==5.0.8)
 # coordinate across jobs through the cores' lock (tests/common/mod.rs, Cores).
 cargo test --no-run --package qag --package qag-client --features qag-client/tower --tests
 results=$(mktemp -d)
-trap 'rm -rf "$results"' EXIT
+# The test servers' files (AOF, RDB, a cluster node's nodes.conf) in memory, where
+# /dev/shm has room: a cluster node fsyncs nodes.conf on its main thread when a failover
+# changes the cluster, and on a disk shared with the containers' builds (debootstrap's
+# dpkg syncs every file) that can stall a healthy node past a client's deadline (one CI
+# run saw a healthy shard's calls time out during a failover; beside a writing load,
+# forming a cluster took 40 s longer). Both harnesses take TMPDIR, and lock the cores
+# there. The containers' builds stay on the disk: a root file system needs exec and
+# device files, which a tmpfs may forbid.
+disk_tmp=${TMPDIR:-/tmp}
+memory_tmp=
+if [ -w /dev/shm ] && [ "$(df -Pk /dev/shm | awk 'NR == 2 { print $4 }')" -ge $((4 * 1024 * 1024)) ]; then
+  memory_tmp=$(mktemp -d /dev/shm/qag-test.XXXXXX)
+  export TMPDIR=$memory_tmp
+fi
+trap 'rm -rf "$results" ${memory_tmp:+"$memory_tmp"}' EXIT
 run_job() { # kind name server
   case $1 in
   rust)
@@ -49,7 +63,7 @@ run_job() { # kind name server
     REDIS_SERVER=$3 "$python_oldest" -m pytest -q -m "not cores" clients/python/tests
     ;;
   docker)
-    scripts/docker-test.sh
+    TMPDIR=$disk_tmp scripts/docker-test.sh
     ;;
   esac
 }

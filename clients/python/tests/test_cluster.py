@@ -263,10 +263,12 @@ def shard_load(
     limiter: Any,
     fail: Callable[[Server], None],
     seconds: float,
-) -> Tuple[Dict[str, Counter[str]], Dict[str, int], float]:
+) -> Tuple[Dict[str, Counter[str]], Dict[str, int], float, List[str]]:
     """take_pair on 60 tags, one primary failed a second in: how calls on the failed
     shard and on the others were answered (or which error they raised), the most any
-    bucket allowed through Redis, and when the failed shard answered again."""
+    bucket allowed through Redis, when the failed shard answered again, and how each
+    call on the other shards that the module did not answer went (when, how long: a
+    stalled server takes the deadline, a call sent to the failed node none)."""
     owners = slot_owners(nodes)
     victim = nodes[0]
     tags = [f"tenant{n}" for n in range(60)]
@@ -277,6 +279,7 @@ def shard_load(
     assert Counter(shard.values())["failed"] >= 10
     answered: Dict[str, Counter[str]] = {"failed": Counter(), "healthy": Counter()}
     allowed: Dict[str, int] = defaultdict(int)
+    healthy_misses: List[str] = []
     started = time.monotonic()
     failed_at = None
     back_at = float("inf")
@@ -289,22 +292,29 @@ def shard_load(
         n += 1
         client = Bucket(f"qag:{{{tag}}}:ip", 20, 60)
         key = Bucket(f"qag:{{{tag}}}:key", 1000, 60)
+        sent = time.monotonic()
         try:
             pair = limiter.take_pair(client, key)
-        except QagUnavailable:
-            answered[shard[tag]]["QagUnavailable"] += 1
-            continue
+            how = pair.answered_by
+        except QagUnavailable:  # or one of its kinds
+            pair, how = None, "QagUnavailable"
         except Exception as error:  # any other: counted, the test fails below
-            answered[shard[tag]][type(error).__name__] += 1
+            pair, how = None, type(error).__name__
+        answered[shard[tag]][how] += 1
+        if shard[tag] == "healthy" and how != "module":
+            healthy_misses.append(
+                f"{how} at {sent - started:.3f} s (failed at "
+                f"{failed_at - started if failed_at else 0:.3f} s) in {time.monotonic() - sent:.3f} s"
+            )
+        if pair is None:
             continue
-        answered[shard[tag]][pair.answered_by] += 1
         if pair.client.allowed and pair.answered_by == "local":
             allowed["local " + tag] += 1
         if pair.client.allowed and pair.answered_by in ("module", "script"):
             allowed[tag] += 1
             if failed_at is not None and shard[tag] == "failed":
                 back_at = min(back_at, time.monotonic() - failed_at)
-    return answered, allowed, back_at
+    return answered, allowed, back_at, healthy_misses
 
 
 def port_of_slot(nodes: List[Server], owners: Dict[int, int], tag: str) -> int:
@@ -329,8 +339,9 @@ def test_a_failed_primary_touches_no_other_shard(
         replicas=1, node_timeout=2000, extra=["--cluster-require-full-coverage", "no"]
     )
     # A deadline generous enough for a healthy shard's calls on a loaded machine (the
-    # suites run side by side): what is tested is that they never fail.
-    limiter = cluster_limiter(nodes, on_unavailable=policy, back_off=0.5, deadline=0.5)
+    # suites run side by side): what is tested is that they never fail. Beside the Rust
+    # suite one took 0.36 s as the replica took over, and one CI run saw some take 0.5 s.
+    limiter = cluster_limiter(nodes, on_unavailable=policy, back_off=0.5, deadline=1.0)
 
     def fail(node: Server) -> None:
         if failure == "kill":
@@ -338,7 +349,7 @@ def test_a_failed_primary_touches_no_other_shard(
         else:
             stop(node)
 
-    answered, allowed, back_at = shard_load(nodes, limiter, fail, 10.0)
+    answered, allowed, back_at, healthy_misses = shard_load(nodes, limiter, fail, 10.0)
     healthy, failed = answered["healthy"], answered["failed"]
     by_redis = {tag: n for tag, n in allowed.items() if not tag.startswith("local ")}
     locally = max([n for tag, n in allowed.items() if tag.startswith("local ")] or [0])
@@ -347,7 +358,7 @@ def test_a_failed_primary_touches_no_other_shard(
         f" most allowed {max(by_redis.values())} by Redis, {locally} locally"
     )
     # Keys on the other primaries: no error, every call by the module.
-    assert set(healthy) == {"module"}, healthy
+    assert set(healthy) == {"module"}, (healthy, healthy_misses[:5])
     # The failed shard: the policy's answers (typed errors under "raise") until its
     # replica took over, then the module again.
     by_policy = {"raise": "QagUnavailable", "forward": "forwarded", "local": "local"}[policy]

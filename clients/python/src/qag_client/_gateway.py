@@ -134,7 +134,7 @@ class WindowLimit:
     window: Optional[int] = None
     hold_ms: Optional[int] = None
 
-    @property
+    @cached_property  # asked several times a request: made once
     def chain(self) -> List[Scope]:
         return [scope if isinstance(scope, Scope) else Scope(*scope) for scope in self.scopes]
 
