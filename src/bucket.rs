@@ -16,7 +16,7 @@ use crate::replay::{self, Remembered, RequestId};
 use crate::server::RawString;
 use crate::server::{CommandError, Ctx};
 use crate::stats::{CallCounters, ALLOWED, REFUSED, REFUSED_KEY, WAITS};
-use crate::wait::{self, Held, Serve};
+use crate::wait::{self, Held, Request, Serve};
 
 static TOKENS: FieldName = FieldName::new("tokens");
 static TS: FieldName = FieldName::new("ts");
@@ -194,7 +194,7 @@ impl Command for Take {
         let now = ctx.now_micros();
         let (stored, id) = bucket.read(ctx, args, take.id.map(|index| ("take", index)), now);
         if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
-            return Ok(replayed(ctx, reply, now, args.get(take.key)));
+            return Ok(replayed(ctx, reply, now, args.get(take.key), id.as_ref()));
         }
         let seconds = bucket::seconds_from_micros(now);
         let Some(wait_ms) = take.wait else {
@@ -207,10 +207,17 @@ impl Command for Take {
             return Ok(reply());
         };
         let waiting = bucket::take_waiting(take.limit, take.cost, stored, seconds, wait_ms);
-        let (state, wait_micros) = match (waiting, wait::room(ctx)) {
-            (Waiting::Later { state, wait_micros }, Ok(())) => (state, wait_micros),
+        // Room is asked only of a call that must wait.
+        let later = match waiting {
+            Waiting::Later { state, wait_micros } => {
+                wait::room(ctx).ok().map(|()| (state, wait_micros))
+            }
+            Waiting::Now(_) => None,
+        };
+        let (state, wait_micros) = match later {
+            Some(later) => later,
             // Answered now, as without WAIT: a fourth element, nothing waited.
-            _ => {
+            None => {
                 let outcome = bucket::take(take.limit, take.cost, stored, seconds);
                 let reply = Reply::Array(waited_row(outcome.verdict, 0));
                 count_refusal(&waiting, &outcome.verdict);
@@ -239,10 +246,11 @@ impl Command for Take {
             cost: take.cost,
             due: vec![due],
             answer: WaitedAnswer::One(served),
-            id_field,
+            id_field: id_field.clone(),
             charged: true,
         };
-        Ok(wait::hold(ctx, Box::new(held), due, true))
+        let request = id_field.map(Request::Charged);
+        Ok(wait::hold(ctx, Box::new(held), due, true, request))
     }
 }
 
@@ -276,9 +284,9 @@ fn count_refusal(waiting: &Waiting, verdict: &Verdict) {
 }
 
 /// A take's (or a pair's) remembered reply, answered again: one that waited is answered
-/// at its time (held until then, its first call's charge standing: nothing to give back),
-/// without the time it was due.
-fn replayed(ctx: &Ctx, reply: Reply, now: i64, key: &[u8]) -> Reply {
+/// at its time (held until then, charged nothing: it shares its first call's charge,
+/// given back only if neither is answered), without the time it was due.
+fn replayed(ctx: &Ctx, reply: Reply, now: i64, key: &[u8], id: Option<&RequestId>) -> Reply {
     let due_of = |row: &Row| row.values().get(4).copied().flatten();
     let (due, answer) = match reply {
         Reply::Array(row) => match due_of(&row) {
@@ -300,7 +308,11 @@ fn replayed(ctx: &Ctx, reply: Reply, now: i64, key: &[u8]) -> Reply {
         Reply::Array(row) | Reply::Pair(row, _) => planned(&row),
         _ => 0,
     };
+    let field = id.map(RequestId::field_bytes);
     if due <= now || wait::room(ctx).is_err() {
+        if let (Some(field), true) = (field, answer.allowed()) {
+            wait::replay_answered(ctx, key, field);
+        }
         return answer.reply(waited_then);
     }
     let held = HeldTake {
@@ -312,7 +324,7 @@ fn replayed(ctx: &Ctx, reply: Reply, now: i64, key: &[u8]) -> Reply {
         id_field: None,
         charged: false,
     };
-    wait::hold(ctx, Box::new(held), due, true)
+    wait::hold(ctx, Box::new(held), due, true, field.map(Request::Replay))
 }
 
 fn verdict_of(row: &Row) -> Verdict {
@@ -332,6 +344,13 @@ enum WaitedAnswer {
 }
 
 impl WaitedAnswer {
+    fn allowed(&self) -> bool {
+        match *self {
+            WaitedAnswer::One(verdict) => verdict.allowed,
+            WaitedAnswer::Pair(client, key) => client.allowed && key.is_some_and(|k| k.allowed),
+        }
+    }
+
     fn reply(&self, waited_ms: i64) -> Reply {
         match *self {
             WaitedAnswer::One(verdict) => Reply::Array(waited_row(verdict, waited_ms)),
@@ -495,10 +514,18 @@ impl TakePair {
     ) -> Result<Result<Reply, Option<RequestId>>, CommandError> {
         let seconds = bucket::seconds_from_micros(now);
         let cost = pair.client.cost;
-        // Both keys open and of the right type before either is written.
-        let mut key = Bucket::open(ctx, args, pair.key.key, pair.key.limit, Access::ReadWrite)?;
         let client_waiting =
             bucket::take_waiting(pair.client.limit, cost, stored, seconds, wait_ms);
+        if within_wait(client_waiting).is_none() {
+            // Refused by the client bucket: answered as without WAIT, the key bucket
+            // only type-checked, never opened for writing.
+            if let Waiting::Now(outcome) = client_waiting {
+                count_refusal(&client_waiting, &outcome.verdict);
+            }
+            return Ok(Err(id));
+        }
+        // Both keys open and of the right type before either is written.
+        let mut key = Bucket::open(ctx, args, pair.key.key, pair.key.limit, Access::ReadWrite)?;
         let key_waiting =
             bucket::take_waiting(pair.key.limit, cost, key.stored(seconds), seconds, wait_ms);
         let (Some((client_state, client_wait)), Some((key_state, key_wait))) =
@@ -544,10 +571,11 @@ impl TakePair {
             cost,
             due: vec![now + client_wait, now + key_wait],
             answer: WaitedAnswer::Pair(client_verdict, Some(key_verdict)),
-            id_field,
+            id_field: id_field.clone(),
             charged: true,
         };
-        Ok(Ok(wait::hold(ctx, Box::new(held), due, true)))
+        let request = id_field.map(Request::Charged);
+        Ok(Ok(wait::hold(ctx, Box::new(held), due, true, request)))
     }
 
     /// Takes from the client bucket, then, when it allowed, from the key bucket. A
@@ -566,7 +594,13 @@ impl TakePair {
         let id = pair.client.id.map(|index| ("take2", index));
         let (stored, id) = client.read(ctx, args, id, now);
         if let Some(reply) = id.as_ref().and_then(RequestId::replay) {
-            return Ok(replayed(ctx, reply, now, args.get(pair.client.key)));
+            return Ok(replayed(
+                ctx,
+                reply,
+                now,
+                args.get(pair.client.key),
+                id.as_ref(),
+            ));
         }
         let seconds = bucket::seconds_from_micros(now);
         let same_key = args.get(pair.client.key) == args.get(pair.key.key);

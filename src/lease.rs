@@ -51,8 +51,8 @@ impl<'ctx> Slots<'ctx> {
     }
 
     /// Takes a slot for `id` (or renews its lease) unless every slot is held: the live
-    /// leases after it, or None.
-    fn acquire(&mut self, id: RawString, max: i64, ttl_millis: i64) -> Option<usize> {
+    /// leases after it and whether it took a slot (not renewed one it held), or None.
+    fn acquire(&mut self, id: RawString, max: i64, ttl_millis: i64) -> Option<(usize, bool)> {
         let expired = self.expired();
         let live = self.key.len().saturating_sub(expired.len());
         let decision = lease::acquire(max, live as u64, self.holds_live_lease(id));
@@ -62,7 +62,8 @@ impl<'ctx> Slots<'ctx> {
         self.key.zset_remove(&raw_strings(&expired));
         self.put(id, ttl_millis);
         self.expire_with_latest_lease();
-        Some(live + usize::from(decision == Acquire::Take))
+        let took = decision == Acquire::Take;
+        Some((live + usize::from(took), took))
     }
 
     /// When the next live lease runs out, Unix microseconds.
@@ -158,14 +159,14 @@ impl Command for Lease {
             Some(_) => Reply::Array(Row::from([i64::from(acquired), live as i64, retry, 0])),
             None => Reply::Array([i64::from(acquired), live as i64, retry].into()),
         };
-        if let Some(live) = slots.acquire(id, call.max, call.ttl_millis) {
+        if let Some((live, _)) = slots.acquire(id, call.max, call.ttl_millis) {
             LEASE.allowed_or_refused(true);
             return Ok(reply(true, live, 0));
         }
-        LEASE.allowed_or_refused(false);
         let live = slots.live();
         let next_expiry = slots.next_expiry();
         drop(slots);
+        // A call that waits is counted when it is answered: acquired or refused.
         match call.wait {
             Some(ms) if ms > 0 && wait::room(ctx).is_ok() => {
                 let held = HeldLease {
@@ -175,13 +176,16 @@ impl Command for Lease {
                     ttl_millis: call.ttl_millis,
                     granted: false,
                 };
-                let reply = wait::hold(ctx, Box::new(held), now + ms * 1000, false);
+                let reply = wait::hold(ctx, Box::new(held), now + ms * 1000, false, None);
                 if let Some(at) = next_expiry {
                     wait::look_again(ctx, name, at - now);
                 }
                 Ok(reply)
             }
-            _ => Ok(reply(false, live, 1)),
+            _ => {
+                LEASE.allowed_or_refused(false);
+                Ok(reply(false, live, 1))
+            }
         }
     }
 }
@@ -192,7 +196,8 @@ struct HeldLease {
     id: Vec<u8>,
     max: i64,
     ttl_millis: i64,
-    /// Whether it took a slot (given back if its answer never reaches its client).
+    /// Whether it took a slot (given back if its answer never reaches its client); a
+    /// waiter whose id held a lease already renewed it, and gives nothing back.
     granted: bool,
 }
 
@@ -209,8 +214,9 @@ impl Held for HeldLease {
         };
         let id = OwnedString::new(ctx, &self.id);
         match slots.acquire(id.raw, self.max, self.ttl_millis) {
-            Some(live) => {
-                self.granted = true;
+            Some((live, took)) => {
+                self.granted = took;
+                LEASE.allowed_or_refused(true);
                 Serve::Now(Reply::Array(Row::from([1, live as i64, 0, waited_ms])))
             }
             None => Serve::Later(slots.next_expiry()),
@@ -218,6 +224,7 @@ impl Held for HeldLease {
     }
 
     fn refusal(&self, ctx: &Ctx, now_micros: i64, waited_ms: i64) -> Reply {
+        LEASE.allowed_or_refused(false);
         let name = OwnedString::new(ctx, &self.keys[0]);
         let live = Slots::open_at(ctx, name.raw, Access::Read, now_micros).map_or(0, |s| s.live());
         Reply::Array(Row::from([0, live as i64, 1, waited_ms]))

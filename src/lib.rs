@@ -159,6 +159,15 @@ fn missing_api() -> Option<&'static str> {
                 "SubscribeToKeyspaceEvents",
                 { RedisModule_SubscribeToKeyspaceEvents }.is_some(),
             ),
+            (
+                "SubscribeToServerEvent",
+                { RedisModule_SubscribeToServerEvent }.is_some(),
+            ),
+            ("GetClientId", { RedisModule_GetClientId }.is_some()),
+            (
+                "AvoidReplicaTraffic",
+                { RedisModule_AvoidReplicaTraffic }.is_some(),
+            ),
         ]
     };
     present
@@ -195,6 +204,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     throttle::set_skew_seconds(options.throttle_skew_seconds);
     replay::init(options.id_seconds, options.id_max);
     wait::set_max_waiters(options.max_waiters);
+    wait::subscribe_to_server_events(ctx.ctx);
     stats::clear();
     let mut features = Features {
         qag_category: add_acl_category(ctx),

@@ -80,17 +80,18 @@ struct Shown {
 
 static REGISTERED: Mutex<Vec<Shown>> = Mutex::new(Vec::new());
 
-/// What calls with `WAIT ms` did, since the module loaded (INFO's `wait_*` fields and
-/// `waiters`). Main thread only, as every counter here.
+/// What calls with `WAIT ms` did, since the module loaded (INFO's `wait_*` fields;
+/// `waiters`, the clients held now, is wait.rs's). Main thread only, as every counter
+/// here.
 pub struct WaitCounters {
     started: AtomicU64,
     served: AtomicU64,
     refused: AtomicU64,
     timed_out: AtomicU64,
     given_back: AtomicU64,
+    dropped: AtomicU64,
     full: AtomicU64,
     waited_ms: AtomicU64,
-    waiting: AtomicU64,
 }
 
 pub static WAITS: WaitCounters = WaitCounters {
@@ -99,43 +100,38 @@ pub static WAITS: WaitCounters = WaitCounters {
     refused: AtomicU64::new(0),
     timed_out: AtomicU64::new(0),
     given_back: AtomicU64::new(0),
+    dropped: AtomicU64::new(0),
     full: AtomicU64::new(0),
     waited_ms: AtomicU64::new(0),
-    waiting: AtomicU64::new(0),
 };
 
 impl WaitCounters {
     /// A call began to wait.
     pub fn started(&self) {
         self.started.fetch_add(1, Ordering::Relaxed);
-        self.waiting.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A wait ended: served after `waited_ms`, refused when its time ran out, or given
-    /// back (its client gone or unblocked).
+    /// A wait was served after `waited_ms`.
     pub fn served(&self, waited_ms: i64) {
         self.served.fetch_add(1, Ordering::Relaxed);
         self.waited_ms
             .fetch_add(waited_ms.max(0) as u64, Ordering::Relaxed);
-        self.ended();
     }
 
+    /// A wait ran out: refused.
     pub fn timed_out(&self) {
         self.timed_out.fetch_add(1, Ordering::Relaxed);
-        self.ended();
     }
 
-    /// What a waiter was given or charged went back; `waiting`: it was still waiting
-    /// (else it had been served, its answer never delivered).
-    pub fn given_back(&self, waiting: bool) {
+    /// A waiter was never answered allowed (its client gone or unblocked while it
+    /// waited, or its answer never written): what it was charged or given goes back.
+    pub fn given_back(&self) {
         self.given_back.fetch_add(1, Ordering::Relaxed);
-        if waiting {
-            self.ended();
-        }
     }
 
-    fn ended(&self) {
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
+    /// Give-backs a primary turned replica dropped: the new primary has the charges.
+    pub fn dropped(&self, count: u64) {
+        self.dropped.fetch_add(count, Ordering::Relaxed);
     }
 
     /// A call asked to wait longer than it may: refused at once.
@@ -151,12 +147,12 @@ impl WaitCounters {
     fn fields(&self) -> [(&'static CStr, u64); 8] {
         let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         [
-            (c"waiters", read(&self.waiting)),
             (c"wait_started", read(&self.started)),
             (c"wait_served", read(&self.served)),
             (c"wait_refused", read(&self.refused)),
             (c"wait_timed_out", read(&self.timed_out)),
             (c"wait_given_back", read(&self.given_back)),
+            (c"wait_given_back_dropped", read(&self.dropped)),
             (c"wait_full", read(&self.full)),
             (c"wait_ms", read(&self.waited_ms)),
         ]
@@ -169,9 +165,9 @@ impl WaitCounters {
             &self.refused,
             &self.timed_out,
             &self.given_back,
+            &self.dropped,
             &self.full,
             &self.waited_ms,
-            &self.waiting,
         ] {
             counter.store(0, Ordering::Relaxed);
         }
@@ -237,6 +233,9 @@ pub extern "C" fn info(ctx: *mut raw::RedisModuleInfoCtx, _for_crash_report: c_i
             add(ctx, c"clock".as_ptr(), crate::server::clock_name().as_ptr());
             let add = raw::RedisModule_InfoAddFieldULongLong.unwrap();
             add(ctx, c"replays".as_ptr(), REPLAYS.load(Ordering::Relaxed));
+            if let Some(blocked) = crate::wait::blocked() {
+                add(ctx, c"waiters".as_ptr(), blocked);
+            }
             for (name, value) in WAITS.fields() {
                 add(ctx, name.as_ptr(), value);
             }

@@ -101,10 +101,17 @@ fn throttle_call(
     };
     let waiting =
         throttle::throttle_waiting(&call, stored, now, skew(), wait_ms).map_err(refused)?;
-    let (served, wait_nanos) = match (waiting, wait::room(ctx)) {
-        (ThrottleWaiting::Later { served, wait_nanos }, Ok(())) => (served, wait_nanos),
+    // Room is asked only of a call that must wait.
+    let later = match waiting {
+        ThrottleWaiting::Later { served, wait_nanos } => {
+            wait::room(ctx).ok().map(|()| (served, wait_nanos))
+        }
+        ThrottleWaiting::Now(_) => None,
+    };
+    let (served, wait_nanos) = match later {
+        Some(later) => later,
         // Answered now, as without WAIT: a sixth element, nothing waited.
-        _ => {
+        None => {
             let outcome = throttle::throttle(&call, stored, now, skew()).map_err(refused)?;
             if let Some(at) = outcome.write {
                 tat.write(at);
@@ -130,7 +137,7 @@ fn throttle_call(
         served,
         due,
     };
-    Ok(wait::hold(ctx, Box::new(held), due, true))
+    Ok(wait::hold(ctx, Box::new(held), due, true, None))
 }
 
 /// A throttle's reply with how long the call waited, the reply of a call with WAIT.

@@ -3,14 +3,24 @@
 //! a timed one (a token bucket's, a throttle's: charged when it arrives, answered at the
 //! time its tokens exist) is answered by a timer at that time; a slot waiter (a lease's)
 //! is answered by the events that free a slot (a release, a lease running out, any
-//! change to its key), and refused by a timer when its wait runs out. Waiters of one key
-//! are kept in arrival order: a timed one is served in that order by construction (each
-//! charged the key before the next), slot waiters are given slots in that order.
+//! change to its key, a flush or a database swap), and refused by a timer when its wait
+//! runs out. Waiters of one key are kept in arrival order: a timed one is served in that
+//! order by construction (each charged the key before the next), slot waiters are given
+//! slots in that order.
 //!
-//! A waiter that is not served (its client gone, CLIENT UNBLOCK, or its answer never
-//! delivered) gives back what it was charged, in a timer of its own a moment later (never
-//! inside the server's handling of the client's end), and the timed waiters behind it on
-//! its keys come that much sooner. Everything here runs on the server's main thread.
+//! Each waiter's life is decided by `qag_core::waiter::step` (whichever of its ends
+//! comes first wins, every later one is a no-op); this file performs the steps. A waiter
+//! that is not answered allowed (its client gone, CLIENT UNBLOCK, or its answer never
+//! written) gives back what it was charged, in a timer a moment later (never inside the
+//! server's handling of the client's end, nor of an event), and the timed waiters behind
+//! it on its keys come that much sooner. A charge its request id's replays wait on is
+//! given back only once they are all gone unanswered (`qag_core::waiter::Shares`).
+//!
+//! Writes happen in commands and in timers, and a timer writes only where a command
+//! could: never on a replica (a primary turned replica drops what it would have given
+//! back: the new primary has the charge, which stands), and never while the server
+//! pauses writes (CLIENT PAUSE … WRITE, FAILOVER, a cluster's manual failover): then the
+//! timer looks again a moment later. Everything here runs on the server's main thread.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -18,6 +28,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use qag_core::wait::{millis_up, DEFAULT_MAX_WAITERS};
+use qag_core::waiter::{self, Charge, Event, Settled, Shares, Stage, Unblock};
 use redis_module::raw;
 
 use crate::command::{guarded, Reply};
@@ -51,9 +62,17 @@ pub trait Held {
     /// Gives back what it holds, its answer never delivered: per key (an index into
     /// `keys`), what the waiters behind it there are given (`Held::sooner`'s amount).
     fn give_back(&mut self, ctx: &Ctx, now_micros: i64) -> Vec<(usize, f64)>;
-    /// A waiter ahead of it on its key `key` gave back `amount` (tokens, or a throttle's
+    /// Waiters ahead of it on its key `key` gave back `amount` (tokens, or a throttle's
     /// nanoseconds): its new time, Unix microseconds, if that moved it.
     fn sooner(&mut self, key: usize, amount: f64) -> Option<i64>;
+}
+
+/// A waiting call's request id, by the field that remembers it in its first key.
+pub enum Request {
+    /// The call charged for the request.
+    Charged(Vec<u8>),
+    /// A replay of it, charged nothing, waiting for the first call's time.
+    Replay(Vec<u8>),
 }
 
 /// Why a call cannot wait here and answers at once, as without WAIT.
@@ -67,30 +86,37 @@ pub enum NoRoom {
 
 struct Waiter {
     client: *mut raw::RedisModuleBlockedClient,
+    /// Its client's id, for the client-change event that says it is gone.
+    client_id: u64,
     db: c_int,
     arrived_micros: i64,
-    /// Its timer: a timed waiter's time, or a slot waiter's end of wait.
+    /// Its timer while it waits: a timed waiter's time, or a slot waiter's end of wait.
     timer: raw::RedisModuleTimerID,
     timed: bool,
-    held: Box<dyn Held>,
+    stage: Stage,
+    /// What it holds; taken while a family serves it, and when it is given back.
+    held: Option<Box<dyn Held>>,
+    /// Its answer once given, until written.
+    answer: Option<Reply>,
+    /// The request charge it waits on, and whether it is the call that was charged.
+    share: Option<(u64, bool)>,
 }
 
-/// A waiter's answer on its way to its client: if the client is gone before it gets
-/// it, what it was given is given back.
-struct Delivery {
-    reply: Reply,
-    delivered: bool,
+/// A request: its database, its first key and its id's field there.
+type RequestName = (c_int, Vec<u8>, Vec<u8>);
+
+/// A charge to give back: whose (its database and arrival number) and what gives it.
+struct Refund {
     db: c_int,
-    /// The waiter's arrival order, for whom its give-back moves sooner.
     seq: u64,
-    held: Option<Box<dyn Held>>,
+    held: Box<dyn Held>,
 }
 
 /// A give-back waiting for its timer.
-struct GiveBack {
-    db: c_int,
-    seq: u64,
-    held: Box<dyn Held>,
+enum GiveBack {
+    Own(Refund),
+    /// A request's charge, once no replay waits on it (`Shares::give_back`).
+    Shared(u64),
 }
 
 type KeyName = (c_int, Vec<u8>);
@@ -99,9 +125,19 @@ type KeyName = (c_int, Vec<u8>);
 struct Registry {
     /// Arrival order: every waiter's number is above those of the waiters before it.
     next_seq: u64,
+    /// Every waiter from the moment it blocks until it ends.
     waiters: HashMap<u64, Waiter>,
+    /// Waiters by their handle, until the server frees it.
     by_client: HashMap<usize, u64>,
-    /// Each key's waiters, in arrival order.
+    /// Waiters whose answer is in their client's output, by client id, until the turn
+    /// ends (`Event::Flushed`) or the client is freed first (`Event::Gone`).
+    sent: HashMap<u64, u64>,
+    /// Whether the module is subscribed to the end of each turn and to clients leaving:
+    /// only while answers are in flight.
+    flushing: bool,
+    /// Whether a timer will unsubscribe from them.
+    quiet_flush_timer: bool,
+    /// Each key's waiting waiters, in arrival order.
     queues: HashMap<KeyName, VecDeque<u64>>,
     /// Keys whose slot waiters are to be looked at, by the timer that will and when
     /// (Unix microseconds).
@@ -109,6 +145,7 @@ struct Registry {
     /// Give-backs the next `on_give_backs` makes, and whether its timer runs.
     give_backs: Vec<GiveBack>,
     give_back_timer: bool,
+    shares: Shares<RequestName, Refund>,
     /// Whether the module is subscribed to the keyspace events that free a slot: only
     /// while slot waiters may be waiting, since every subscribed event on any key costs
     /// the server a context of its own (about 600 instructions).
@@ -119,11 +156,20 @@ thread_local! {
     static REGISTRY: RefCell<Registry> = RefCell::new(Registry::default());
 }
 
+/// The registry, never across a call into the server that may call back into this file
+/// (a write's keyspace event): the families serve and give back outside it.
 fn with<T>(f: impl FnOnce(&mut Registry) -> T) -> T {
     REGISTRY.with(|registry| f(&mut registry.borrow_mut()))
 }
 
+/// The clients the module holds blocked (INFO's `qag_waiters`): waiting, or answered and
+/// not yet released by the server. None when the registry is in use (a crash report).
+pub fn blocked() -> Option<u64> {
+    REGISTRY.with(|registry| registry.try_borrow().ok().map(|r| r.waiters.len() as u64))
+}
+
 /// Whether a call may wait here now: a client that can be blocked, and room for it.
+/// Asked only of a call that must wait to be allowed.
 pub fn room(ctx: &Ctx) -> Result<(), NoRoom> {
     let denied = raw::REDISMODULE_CTX_FLAGS_MULTI
         | raw::REDISMODULE_CTX_FLAGS_LUA
@@ -154,7 +200,13 @@ fn selected_db(ctx: &Ctx) -> c_int {
 /// Blocks the calling client until `held` is served: at `due_micros` by its timer when
 /// `timed`, else by the events that free a slot on its key, refused at `due_micros`.
 /// `room` must have said yes. The command replies nothing now.
-pub fn hold(ctx: &Ctx, held: Box<dyn Held>, due_micros: i64, timed: bool) -> Reply {
+pub fn hold(
+    ctx: &Ctx,
+    held: Box<dyn Held>,
+    due_micros: i64,
+    timed: bool,
+    request: Option<Request>,
+) -> Reply {
     let now = ctx.now_micros();
     // SAFETY: a live command context, `room` checked; no timeout (0): timers end each
     // wait, and the timeout callback answers CLIENT UNBLOCK.
@@ -169,6 +221,8 @@ pub fn hold(ctx: &Ctx, held: Box<dyn Held>, due_micros: i64, timed: bool) -> Rep
     };
     // SAFETY: the client just blocked.
     unsafe { raw::RedisModule_SetDisconnectCallback.unwrap()(client, Some(on_disconnect)) };
+    // SAFETY: a live command context.
+    let client_id = unsafe { raw::RedisModule_GetClientId.unwrap()(ctx.raw()) };
     let db = selected_db(ctx);
     if !timed {
         watch_keys(ctx);
@@ -182,22 +236,44 @@ pub fn hold(ctx: &Ctx, held: Box<dyn Held>, due_micros: i64, timed: bool) -> Rep
                 .or_default()
                 .push_back(seq);
         }
+        let first = held.keys().first().cloned().unwrap_or_default();
+        let share = match request {
+            Some(Request::Charged(field)) => {
+                r.shares.charge(seq, (db, first, field));
+                Some((seq, true))
+            }
+            Some(Request::Replay(field)) => {
+                r.shares.join(&(db, first, field)).map(|id| (id, false))
+            }
+            None => None,
+        };
         let timer = start_timer(ctx, due_micros - now, on_due, seq);
         r.by_client.insert(client as usize, seq);
         r.waiters.insert(
             seq,
             Waiter {
                 client,
+                client_id,
                 db,
                 arrived_micros: now,
                 timer,
                 timed,
-                held,
+                stage: Stage::Waiting,
+                held: Some(held),
+                answer: None,
+                share,
             },
         );
     });
     WAITS.started();
     Reply::Held
+}
+
+/// A replay of the request remembered in `field` of `key` (the calling client's
+/// database) was answered allowed at once: the charge it replays stands.
+pub fn replay_answered(ctx: &Ctx, key: &[u8], field: Vec<u8>) {
+    let request = (selected_db(ctx), key.to_vec(), field);
+    with(|r| r.shares.stand(&request));
 }
 
 fn start_timer(
@@ -217,69 +293,222 @@ fn start_timer(
     }
 }
 
+/// No timer: a waiter's whose timer is firing now.
+const NO_TIMER: raw::RedisModuleTimerID = 0;
+
+/// Stops a timer, never one whose callback runs now: the server frees a timer after its
+/// callback returns, and would free one stopped inside it twice.
 fn stop_timer(ctx: &Ctx, timer: raw::RedisModuleTimerID) {
+    if timer == NO_TIMER {
+        return;
+    }
     // SAFETY: a live context; a timer that fired already is simply not found.
     unsafe { raw::RedisModule_StopTimer.unwrap()(ctx.raw(), timer, std::ptr::null_mut()) };
 }
 
-/// Takes waiter `seq` out of the registry and its keys' queues.
-fn remove(r: &mut Registry, seq: u64) -> Option<Waiter> {
-    let waiter = r.waiters.remove(&seq)?;
-    r.by_client.remove(&(waiter.client as usize));
-    for key in waiter.held.keys() {
-        let name = (waiter.db, key.clone());
+/// Takes waiter `seq` out of its keys' queues: it waits no more. The timers of keys
+/// left with no waiter, to stop (their names boxed: `stop_checks`), so that no timer
+/// outlives every waiter (MODULE UNLOAD refuses a module with timers).
+fn dequeue(r: &mut Registry, seq: u64) -> Vec<raw::RedisModuleTimerID> {
+    let mut idle = Vec::new();
+    let Some(waiter) = r.waiters.get(&seq) else {
+        return idle;
+    };
+    let db = waiter.db;
+    let keys: Vec<Vec<u8>> = waiter
+        .held
+        .as_ref()
+        .map(|held| held.keys().to_vec())
+        .unwrap_or_default();
+    for key in keys {
+        let name = (db, key);
         if let Some(queue) = r.queues.get_mut(&name) {
             queue.retain(|&other| other != seq);
             if queue.is_empty() {
                 r.queues.remove(&name);
+                idle.extend(r.checks.remove(&name).map(|(timer, _)| timer));
             }
         }
     }
-    Some(waiter)
+    idle
 }
 
-/// Answers a waiter's client with `reply` (what it holds kept in the delivery, given
-/// back if the answer never reaches the client).
-fn deliver(waiter: Waiter, seq: u64, reply: Reply, holds: bool) {
-    let delivery = Delivery {
-        reply,
-        delivered: false,
-        db: waiter.db,
-        seq,
-        held: holds.then_some(waiter.held),
+/// Stops the look-again timers of keys no waiter waits on.
+fn stop_checks(ctx: &Ctx, timers: Vec<raw::RedisModuleTimerID>) {
+    for timer in timers {
+        let mut data = std::ptr::null_mut();
+        // SAFETY: a timer check_at made, its key's name boxed: taken back here.
+        unsafe { raw::RedisModule_StopTimer.unwrap()(ctx.raw(), timer, &mut data) };
+        if !data.is_null() {
+            drop(unsafe { Box::from_raw(data.cast::<KeyName>()) });
+        }
+    }
+}
+
+/// What a waiter's charge comes to: given back now (its own), given back once no replay
+/// waits on it (a request's), or kept.
+fn settle(r: &mut Registry, seq: u64, charge: Charge) -> Option<GiveBack> {
+    let waiter = r.waiters.get_mut(&seq)?;
+    let db = waiter.db;
+    match (waiter.share, charge) {
+        (Some((id, charged)), _) => {
+            let refund = match (charged, charge) {
+                (true, Charge::Released) => waiter.held.take().map(|held| Refund { db, seq, held }),
+                _ => None,
+            };
+            match r.shares.end(id, charge, refund) {
+                Settled::GiveBack(id) => Some(GiveBack::Shared(id)),
+                Settled::Nothing => None,
+            }
+        }
+        (None, Charge::Released) => waiter
+            .held
+            .take()
+            .map(|held| GiveBack::Own(Refund { db, seq, held })),
+        (None, Charge::Stands) => None,
+    }
+}
+
+/// Runs `event` on waiter `seq` (found by its number or its client), performing its
+/// step. `answer`: the answer a serve or refusal gives it; `ctx`: the callback's.
+fn on_event(ctx: &Ctx, seq: u64, event: Event, answer: Option<Reply>) {
+    let Some((before, client, client_id, timer)) = with(|r| {
+        r.waiters
+            .get(&seq)
+            .map(|waiter| (waiter.stage, waiter.client, waiter.client_id, waiter.timer))
+    }) else {
+        return;
     };
-    let data = Box::into_raw(Box::new(delivery)).cast::<c_void>();
-    // SAFETY: a client this module blocked and has not unblocked; on_free takes the
-    // delivery back.
-    unsafe { raw::RedisModule_UnblockClient.unwrap()(waiter.client, data) };
+    let step = waiter::step(before, event);
+    if step.is_no_op(before) {
+        return;
+    }
+    if step.stop_waiting {
+        stop_timer(ctx, timer);
+        let idle = with(|r| dequeue(r, seq));
+        stop_checks(ctx, idle);
+    }
+    if step.refuse_here {
+        // The timeout callback's context replies to its client; the family reads its
+        // key outside the registry.
+        let held = with(|r| r.waiters.get_mut(&seq).and_then(|w| w.held.take()));
+        if let Some(held) = held {
+            let now = clock();
+            let waited = waited_ms(ctx, seq, now);
+            ctx.reply(held.refusal(ctx, now, waited));
+            with(|r| {
+                if let Some(waiter) = r.waiters.get_mut(&seq) {
+                    waiter.held = Some(held);
+                }
+            });
+        }
+    }
+    if step.write_answer {
+        if let Some(reply) = with(|r| r.waiters.get_mut(&seq).and_then(|w| w.answer.take())) {
+            ctx.reply(reply);
+        }
+    }
+    let give_back = with(|r| {
+        if let Some(waiter) = r.waiters.get_mut(&seq) {
+            waiter.stage = step.stage;
+            if step.unblock == Some(Unblock::WithAnswer) {
+                waiter.answer = answer;
+            }
+        }
+        step.charge.and_then(|charge| settle(r, seq, charge))
+    });
+    match (event, step.charge) {
+        (Event::Disconnected | Event::Unblocked, _) => WAITS.given_back(),
+        (Event::Free | Event::Gone, Some(Charge::Released)) => WAITS.given_back(),
+        _ => {}
+    }
+    if let Some(give_back) = give_back {
+        give_back_later(ctx, give_back);
+    }
+    // The server frees the handle after a bare unblock and after the free callback:
+    // another client blocked later may get its address.
+    let handle_freed = step.unblock == Some(Unblock::Bare) || event == Event::Free;
+    let sent = matches!(step.stage, Stage::Sent { .. });
+    with(|r| {
+        if handle_freed && r.by_client.get(&(client as usize)) == Some(&seq) {
+            r.by_client.remove(&(client as usize));
+        }
+        if sent {
+            r.sent.insert(client_id, seq);
+        }
+        if step.stage == Stage::Ended {
+            r.waiters.remove(&seq);
+            if r.sent.get(&client_id) == Some(&seq) {
+                r.sent.remove(&client_id);
+            }
+        }
+    });
+    if sent {
+        watch_flushes(ctx);
+    }
+    match step.unblock {
+        // SAFETY: a client this module blocked and never unblocked (the step says so);
+        // its answer is the waiter's number, never dereferenced, freed by on_free.
+        Some(Unblock::WithAnswer) => unsafe {
+            raw::RedisModule_UnblockClient.unwrap()(client, seq as usize as *mut c_void);
+        },
+        // SAFETY: as above, with no answer: the server frees the handle, no callback.
+        Some(Unblock::Bare) => unsafe {
+            raw::RedisModule_UnblockClient.unwrap()(client, std::ptr::null_mut());
+        },
+        None => {}
+    }
 }
 
-/// Serves a waiter now (its time came), or refuses it (its wait ran out).
+fn waited_ms(_ctx: &Ctx, seq: u64, now: i64) -> i64 {
+    let arrived = with(|r| r.waiters.get(&seq).map_or(now, |w| w.arrived_micros));
+    (now - arrived).max(0) / 1000
+}
+
+/// Serves a timed waiter now (its time came), or refuses a slot waiter (its wait ran
+/// out).
 fn serve_or_refuse(ctx: &Ctx, seq: u64) {
-    let Some(mut waiter) = with(|r| remove(r, seq)) else {
+    let Some((db, timed, mut held)) = with(|r| {
+        let waiter = r.waiters.get_mut(&seq)?;
+        if waiter.stage != Stage::Waiting {
+            return None;
+        }
+        // Its timer is the one firing.
+        waiter.timer = NO_TIMER;
+        Some((waiter.db, waiter.timed, waiter.held.take()?))
+    }) else {
         return;
     };
     let now = clock();
-    let waited = (now - waiter.arrived_micros).max(0) / 1000;
-    select_db(ctx, waiter.db);
-    let answer = match waiter.timed {
-        true => match waiter.held.serve(ctx, now, waited) {
+    let waited = waited_ms(ctx, seq, now);
+    select_db(ctx, db);
+    let served = match timed {
+        true => match held.serve(ctx, now, waited) {
             Serve::Now(reply) => Some(reply),
             Serve::Later(_) => None,
         },
         false => None,
     };
-    match answer {
+    let (event, reply) = match served {
         Some(reply) => {
             WAITS.served(waited);
-            deliver(waiter, seq, reply, true);
+            (Event::Served, reply)
         }
         None => {
-            let reply = waiter.held.refusal(ctx, now, waited);
             WAITS.timed_out();
-            deliver(waiter, seq, reply, false);
+            (Event::Refused, held.refusal(ctx, now, waited))
         }
-    }
+    };
+    put_back(seq, held);
+    on_event(ctx, seq, event, Some(reply));
+}
+
+fn put_back(seq: u64, held: Box<dyn Held>) {
+    with(|r| {
+        if let Some(waiter) = r.waiters.get_mut(&seq) {
+            waiter.held = Some(held);
+        }
+    });
 }
 
 fn select_db(ctx: &Ctx, db: c_int) {
@@ -291,36 +520,28 @@ fn select_db(ctx: &Ctx, db: c_int) {
 /// first served, while they fit, at `now` (Unix microseconds); then looks again when a
 /// lease is due to run out. Called after a release, when a lease runs out, on any change
 /// to the key, and before a new QAG.LEASE decides (so it never takes a slot ahead of a
-/// waiter).
+/// waiter). In a command, or in a timer that checked writes are allowed.
 pub fn serve_slots(ctx: &Ctx, key: &[u8], now: i64) {
     let db = selected_db(ctx);
     let name = (db, key.to_vec());
     loop {
-        let Some(seq) = with(|r| slot_waiter_first(r, &name)) else {
+        let Some((seq, mut held, arrived)) = with(|r| {
+            let seq = slot_waiter_first(r, &name)?;
+            let waiter = r.waiters.get_mut(&seq)?;
+            Some((seq, waiter.held.take()?, waiter.arrived_micros))
+        }) else {
             return;
         };
-        let Some(mut waiter) = with(|r| remove(r, seq)) else {
-            return;
-        };
-        let waited = (now - waiter.arrived_micros).max(0) / 1000;
-        match waiter.held.serve(ctx, now, waited) {
+        let waited = (now - arrived).max(0) / 1000;
+        // Outside the registry: a write fires keyspace events that look at it.
+        let served = held.serve(ctx, now, waited);
+        put_back(seq, held);
+        match served {
             Serve::Now(reply) => {
-                stop_timer(ctx, waiter.timer);
                 WAITS.served(waited);
-                deliver(waiter, seq, reply, true);
+                on_event(ctx, seq, Event::Served, Some(reply));
             }
             Serve::Later(look_again) => {
-                // Back where it was, first.
-                with(|r| {
-                    r.by_client.insert(waiter.client as usize, seq);
-                    for key in waiter.held.keys() {
-                        r.queues
-                            .entry((db, key.clone()))
-                            .or_default()
-                            .push_front(seq);
-                    }
-                    r.waiters.insert(seq, waiter);
-                });
                 if let Some(at) = look_again {
                     check_at(ctx, name, at - now);
                 }
@@ -336,7 +557,7 @@ fn slot_waiter_first(r: &Registry, name: &KeyName) -> Option<u64> {
     let seq = r.queues.get(name)?.front().copied()?;
     r.waiters
         .get(&seq)
-        .filter(|waiter| !waiter.timed)
+        .filter(|waiter| !waiter.timed && waiter.stage == Stage::Waiting)
         .map(|_| seq)
 }
 
@@ -358,12 +579,7 @@ fn check_at(ctx: &Ctx, name: KeyName, in_micros: i64) {
         return;
     };
     if stale != 0 {
-        // SAFETY: a timer check_at made for this key, its name boxed: taken back here.
-        let mut data = std::ptr::null_mut();
-        unsafe { raw::RedisModule_StopTimer.unwrap()(ctx.raw(), stale, &mut data) };
-        if !data.is_null() {
-            drop(unsafe { Box::from_raw(data.cast::<KeyName>()) });
-        }
+        stop_checks(ctx, vec![stale]);
     }
     let data = Box::into_raw(Box::new(name.clone())).cast::<c_void>();
     // SAFETY: a live context; on_check takes the name back.
@@ -400,6 +616,65 @@ extern "C" fn on_key_event(
     raw::REDISMODULE_OK as c_int
 }
 
+/// A database flushed or two swapped (server events): keys change without a keyspace
+/// event of their own, so the slot waiters of every key there are looked at a moment
+/// later, outside the event.
+extern "C" fn on_databases_changed(
+    ctx: *mut raw::RedisModuleCtx,
+    event: raw::RedisModuleEvent,
+    subevent: u64,
+    data: *mut c_void,
+) {
+    let _ = guarded(|| {
+        let ctx = Ctx(ctx);
+        let databases: Option<[c_int; 2]> = match event.id {
+            raw::REDISMODULE_EVENT_FLUSHDB if subevent == raw::REDISMODULE_SUBEVENT_FLUSHDB_END => {
+                // SAFETY: the flush event's data, live for the callback.
+                let info = unsafe { &*data.cast::<raw::RedisModuleFlushInfo>() };
+                Some([info.dbnum, info.dbnum])
+            }
+            raw::REDISMODULE_EVENT_SWAPDB => {
+                // SAFETY: the swap event's data, live for the callback.
+                let info = unsafe { &*data.cast::<raw::RedisModuleSwapDbInfo>() };
+                Some([info.dbnum_first, info.dbnum_second])
+            }
+            _ => None,
+        };
+        let Some(databases) = databases else {
+            return;
+        };
+        // -1: every database (FLUSHALL).
+        let changed = |db: c_int| databases.contains(&-1) || databases.contains(&db);
+        let names: Vec<KeyName> = with(|r| {
+            r.queues
+                .keys()
+                .filter(|name| changed(name.0) && slot_waiter_first(r, name).is_some())
+                .cloned()
+                .collect()
+        });
+        for name in names {
+            check_at(&ctx, name, 0);
+        }
+    });
+}
+
+/// Subscribes to the server events that change keys without a keyspace event of their
+/// own; called at load. Both are rare (FLUSHDB, FLUSHALL, SWAPDB), so the subscription
+/// costs nothing on any call.
+pub fn subscribe_to_server_events(ctx: *mut raw::RedisModuleCtx) {
+    let events = [
+        raw::REDISMODULE_EVENT_FLUSHDB,
+        raw::REDISMODULE_EVENT_SWAPDB,
+    ];
+    for id in events {
+        let event = raw::RedisModuleEvent { id, dataver: 1 };
+        // SAFETY: checked present at load; a live load context.
+        unsafe {
+            raw::RedisModule_SubscribeToServerEvent.unwrap()(ctx, event, Some(on_databases_changed))
+        };
+    }
+}
+
 /// The events that may free a slot: a member removed, a key deleted, expired or evicted.
 const SLOT_EVENTS: c_int = (raw::REDISMODULE_NOTIFY_ZSET
     | raw::REDISMODULE_NOTIFY_GENERIC
@@ -408,6 +683,9 @@ const SLOT_EVENTS: c_int = (raw::REDISMODULE_NOTIFY_ZSET
 
 /// How often, while subscribed, the module looks whether any slot waiter is left.
 const QUIET_CHECK_MS: i64 = 1000;
+
+/// How soon a timer that may not write now (writes paused) looks again.
+const PAUSED_RETRY_MICROS: i64 = 10_000;
 
 /// Subscribes to [`SLOT_EVENTS`] when the first slot waiter blocks. Where the server can
 /// unsubscribe (Redis 8 of those tested), a timer unsubscribes once none is left;
@@ -445,14 +723,44 @@ extern "C" fn on_quiet_check(ctx: *mut raw::RedisModuleCtx, _data: *mut c_void) 
     });
 }
 
+/// Whether a timer may write now: not while the server pauses writes (the server
+/// asserts that nothing propagates then, and a paused expiry leaves keys a write would
+/// trip over), and not on a replica (`Writable::Never`).
+#[derive(PartialEq, Eq)]
+enum Writable {
+    Now,
+    Later,
+    Never,
+}
+
+fn writable(ctx: &Ctx) -> Writable {
+    // SAFETY: a live context; AvoidReplicaTraffic checked present at load.
+    let flags = unsafe { raw::RedisModule_GetContextFlags.unwrap()(ctx.raw()) } as u32;
+    if flags & raw::REDISMODULE_CTX_FLAGS_SLAVE != 0 {
+        return Writable::Never;
+    }
+    match unsafe { raw::RedisModule_AvoidReplicaTraffic.unwrap()() } {
+        0 => Writable::Now,
+        _ => Writable::Later,
+    }
+}
+
 extern "C" fn on_check(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {
     // SAFETY: the name check_at boxed for this timer, taken back once.
     let name = unsafe { Box::from_raw(data.cast::<KeyName>()) };
     let _ = guarded(|| {
         let ctx = Ctx(ctx);
         with(|r| r.checks.remove(&*name));
-        select_db(&ctx, name.0);
-        serve_slots(&ctx, &name.1, clock());
+        match writable(&ctx) {
+            // Serving a slot writes its lease: a moment later.
+            Writable::Later => check_at(&ctx, *name, PAUSED_RETRY_MICROS),
+            // A replica's waiters were unblocked when it became one; none is served.
+            Writable::Never => {}
+            Writable::Now => {
+                select_db(&ctx, name.0);
+                serve_slots(&ctx, &name.1, clock());
+            }
+        }
     });
 }
 
@@ -460,7 +768,14 @@ extern "C" fn on_due(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {
     let _ = guarded(|| serve_or_refuse(&Ctx(ctx), data as usize as u64));
 }
 
-/// The reply callback: a served (or refused) waiter's answer.
+/// The waiter an answer's data names: its number, given to RM_UnblockClient.
+fn answered(ctx: &Ctx) -> Option<u64> {
+    // SAFETY: a blocked-reply context: the data this module gave RM_UnblockClient.
+    let data = unsafe { raw::RedisModule_GetBlockedClientPrivateData.unwrap()(ctx.raw()) };
+    (!data.is_null()).then_some(data as usize as u64)
+}
+
+/// The reply callback: a served (or refused) waiter's answer, written.
 extern "C" fn on_reply(
     ctx: *mut raw::RedisModuleCtx,
     _argv: *mut *mut raw::RedisModuleString,
@@ -468,29 +783,19 @@ extern "C" fn on_reply(
 ) -> c_int {
     let _ = guarded(|| {
         let ctx = Ctx(ctx);
-        // SAFETY: the delivery this module gave RM_UnblockClient, freed by on_free.
-        let delivery = unsafe { raw::RedisModule_GetBlockedClientPrivateData.unwrap()(ctx.raw()) }
-            .cast::<Delivery>();
-        if let Some(delivery) = unsafe { delivery.as_mut() } {
-            ctx.reply(delivery.reply);
-            delivery.delivered = true;
+        if let Some(seq) = answered(&ctx) {
+            on_event(&ctx, seq, Event::Reply, None);
         }
     });
     raw::REDISMODULE_OK as c_int
 }
 
-/// Frees a delivery; one its client never got gives back what it was given.
+/// The free callback: an answer freed, written or not (its client gone first).
 extern "C" fn on_free(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {
-    // SAFETY: the delivery boxed in `deliver`, freed once here.
-    let delivery = unsafe { Box::from_raw(data.cast::<Delivery>()) };
-    let _ = guarded(move || {
-        if let (false, Some(held)) = (delivery.delivered, delivery.held) {
-            give_back_later(&Ctx(ctx), delivery.db, delivery.seq, held, false);
-        }
-    });
+    let _ = guarded(|| on_event(&Ctx(ctx), data as usize as u64, Event::Free, None));
 }
 
-/// CLIENT UNBLOCK on a waiter: refused now, what it was charged given back.
+/// The timeout callback: CLIENT UNBLOCK on a waiter.
 extern "C" fn on_unblocked(
     ctx: *mut raw::RedisModuleCtx,
     _argv: *mut *mut raw::RedisModuleString,
@@ -500,50 +805,120 @@ extern "C" fn on_unblocked(
         let ctx = Ctx(ctx);
         // SAFETY: the timeout callback's context holds its blocked client.
         let client = unsafe { raw::RedisModule_GetBlockedClientHandle.unwrap()(ctx.raw()) };
-        let Some((seq, waiter)) = take_by_client(client) else {
-            return;
-        };
-        stop_timer(&ctx, waiter.timer);
-        let now = clock();
-        let waited = (now - waiter.arrived_micros).max(0) / 1000;
-        ctx.reply(waiter.held.refusal(&ctx, now, waited));
-        give_back_later(&ctx, waiter.db, seq, waiter.held, true);
-        // SAFETY: the client, unblocked by the server after this callback; this frees
-        // the module's handle.
-        unsafe { raw::RedisModule_UnblockClient.unwrap()(client, std::ptr::null_mut()) };
+        if let Some(seq) = with(|r| r.by_client.get(&(client as usize)).copied()) {
+            on_event(&ctx, seq, Event::Unblocked, None);
+        }
     });
     raw::REDISMODULE_OK as c_int
 }
 
-/// A waiter's client disconnected: what it was charged is given back.
+/// The disconnect callback: a waiter's client is going (or, given its answer, was
+/// unblocked by the server).
 extern "C" fn on_disconnect(
     ctx: *mut raw::RedisModuleCtx,
     client: *mut raw::RedisModuleBlockedClient,
 ) {
     let _ = guarded(|| {
         let ctx = Ctx(ctx);
-        if let Some((seq, waiter)) = take_by_client(client) {
-            stop_timer(&ctx, waiter.timer);
-            give_back_later(&ctx, waiter.db, seq, waiter.held, true);
+        if let Some(seq) = with(|r| r.by_client.get(&(client as usize)).copied()) {
+            on_event(&ctx, seq, Event::Disconnected, None);
         }
-        // SAFETY: a client this module blocked; this frees the module's handle.
-        unsafe { raw::RedisModule_UnblockClient.unwrap()(client, std::ptr::null_mut()) };
     });
 }
 
-fn take_by_client(client: *mut raw::RedisModuleBlockedClient) -> Option<(u64, Waiter)> {
-    with(|r| {
-        let seq = r.by_client.get(&(client as usize)).copied()?;
-        remove(r, seq).map(|waiter| (seq, waiter))
-    })
+/// Subscribes to the end of each turn and to clients leaving, while answers are in
+/// flight: each subscribed event costs the server a callback, so only then.
+fn watch_flushes(ctx: &Ctx) {
+    if with(|r| std::mem::replace(&mut r.flushing, true)) {
+        return;
+    }
+    subscribe_flushes(ctx, true);
+}
+
+fn subscribe_flushes(ctx: &Ctx, on: bool) {
+    let subscriptions: [(u64, raw::RedisModuleEventCallback); 2] = [
+        (raw::REDISMODULE_EVENT_EVENTLOOP, Some(on_turn)),
+        (raw::REDISMODULE_EVENT_CLIENT_CHANGE, Some(on_client_change)),
+    ];
+    for (id, callback) in subscriptions {
+        let event = raw::RedisModuleEvent { id, dataver: 1 };
+        // SAFETY: checked present at load; a context of this module's. A null callback
+        // unsubscribes.
+        unsafe {
+            raw::RedisModule_SubscribeToServerEvent.unwrap()(
+                ctx.raw(),
+                event,
+                if on { callback } else { None },
+            )
+        };
+    }
+}
+
+/// The end of a turn (afterSleep: the server slept and woke): every answer written in
+/// the turn before was sent to a client still there.
+extern "C" fn on_turn(
+    ctx: *mut raw::RedisModuleCtx,
+    _event: raw::RedisModuleEvent,
+    subevent: u64,
+    _data: *mut c_void,
+) {
+    if subevent != raw::REDISMODULE_SUBEVENT_EVENTLOOP_AFTER_SLEEP {
+        return;
+    }
+    let _ = guarded(|| {
+        let ctx = Ctx(ctx);
+        let sent: Vec<u64> = with(|r| r.sent.values().copied().collect());
+        for seq in sent {
+            on_event(&ctx, seq, Event::Flushed, None);
+        }
+        // Unsubscribed from a timer, never inside the server's walk of its subscribers.
+        if with(|r| r.sent.is_empty() && !std::mem::replace(&mut r.quiet_flush_timer, true)) {
+            start_timer(&ctx, 0, on_quiet_flush, 0);
+        }
+    });
+}
+
+extern "C" fn on_quiet_flush(ctx: *mut raw::RedisModuleCtx, _data: *mut c_void) {
+    let _ = guarded(|| {
+        let ctx = Ctx(ctx);
+        let quiet = with(|r| {
+            r.quiet_flush_timer = false;
+            let quiet = r.sent.is_empty() && r.flushing;
+            if quiet {
+                r.flushing = false;
+            }
+            quiet
+        });
+        if quiet {
+            subscribe_flushes(&ctx, false);
+        }
+    });
+}
+
+/// A client left: one whose answer was written in this turn never gets it.
+extern "C" fn on_client_change(
+    ctx: *mut raw::RedisModuleCtx,
+    _event: raw::RedisModuleEvent,
+    subevent: u64,
+    data: *mut c_void,
+) {
+    if subevent != raw::REDISMODULE_SUBEVENT_CLIENT_CHANGE_DISCONNECTED || data.is_null() {
+        return;
+    }
+    let _ = guarded(|| {
+        // SAFETY: the client-change event's data, live for the callback.
+        let id = unsafe { (*data.cast::<raw::RedisModuleClientInfo>()).id };
+        if let Some(seq) = with(|r| r.sent.get(&id).copied()) {
+            on_event(&Ctx(ctx), seq, Event::Gone, None);
+        }
+    });
 }
 
 /// Queues a give-back for the next turn of the event loop (`ctx`: any context of the
 /// module's, a timer needs no more).
-fn give_back_later(ctx: &Ctx, db: c_int, seq: u64, held: Box<dyn Held>, waiting: bool) {
-    WAITS.given_back(waiting);
+fn give_back_later(ctx: &Ctx, give_back: GiveBack) {
     let start = with(|r| {
-        r.give_backs.push(GiveBack { db, seq, held });
+        r.give_backs.push(give_back);
         !std::mem::replace(&mut r.give_back_timer, true)
     });
     if start {
@@ -566,38 +941,61 @@ fn clock() -> i64 {
 extern "C" fn on_give_backs(ctx: *mut raw::RedisModuleCtx, _data: *mut c_void) {
     let _ = guarded(|| {
         let ctx = Ctx(ctx);
-        let give_backs = with(|r| {
+        let writable = writable(&ctx);
+        if writable == Writable::Later {
+            start_timer(&ctx, PAUSED_RETRY_MICROS, on_give_backs, 0);
+            return;
+        }
+        let refunds: Vec<Refund> = with(|r| {
             r.give_back_timer = false;
-            std::mem::take(&mut r.give_backs)
+            let give_backs = std::mem::take(&mut r.give_backs);
+            give_backs
+                .into_iter()
+                .filter_map(|give_back| match give_back {
+                    GiveBack::Own(refund) => Some(refund),
+                    GiveBack::Shared(id) => r.shares.give_back(id),
+                })
+                .collect()
         });
-        for GiveBack { db, seq, mut held } in give_backs {
+        if writable == Writable::Never {
+            // A primary turned replica: the new primary has the charge, which stands.
+            WAITS.dropped(refunds.len() as u64);
+            return;
+        }
+        let mut given: HashMap<KeyName, Vec<(u64, f64)>> = HashMap::new();
+        for Refund { db, seq, mut held } in refunds {
             select_db(&ctx, db);
-            let now = clock();
-            for (key, amount) in held.give_back(&ctx, now) {
-                let Some(name) = held.keys().get(key) else {
-                    continue;
-                };
-                sooner_behind(&ctx, (db, name.clone()), seq, amount);
+            for (key, amount) in held.give_back(&ctx, clock()) {
+                if let Some(name) = held.keys().get(key) {
+                    given
+                        .entry((db, name.clone()))
+                        .or_default()
+                        .push((seq, amount));
+                }
             }
+        }
+        for (name, amounts) in given {
+            sooner_behind(&ctx, name, &amounts);
         }
     });
 }
 
-/// The timed waiters of `name` that arrived after `seq` come sooner by `amount` (what
-/// a give-back or a refund returned to the key).
-fn sooner_behind(ctx: &Ctx, name: KeyName, seq: u64, amount: f64) {
-    let behind: Vec<u64> = with(|r| {
+/// The timed waiters of `name` come sooner by what was given back ahead of each
+/// (`amounts`: who gave back, and how much), each timer moved once.
+fn sooner_behind(ctx: &Ctx, name: KeyName, amounts: &[(u64, f64)]) {
+    let queue: Vec<u64> = with(|r| {
         r.queues
             .get(&name)
-            .map(|queue| queue.iter().copied().filter(|&other| other > seq).collect())
+            .map(|queue| queue.iter().copied().collect())
             .unwrap_or_default()
     });
     let now = clock();
-    for other in behind {
+    for (other, amount) in waiter::sooner_by(&queue, amounts) {
         let moved = with(|r| {
             let waiter = r.waiters.get_mut(&other)?;
-            let index = waiter.held.keys().iter().position(|key| *key == name.1)?;
-            let at = waiter.held.sooner(index, amount).filter(|_| waiter.timed)?;
+            let held = waiter.held.as_mut()?;
+            let index = held.keys().iter().position(|key| *key == name.1)?;
+            let at = held.sooner(index, amount).filter(|_| waiter.timed)?;
             Some((waiter.timer, at))
         });
         if let Some((timer, at)) = moved {
@@ -616,6 +1014,6 @@ fn sooner_behind(ctx: &Ctx, name: KeyName, seq: u64, amount: f64) {
 /// waiters (QAG.REFUND): every timed waiter there comes sooner by `amount`.
 pub fn given_back_to(ctx: &Ctx, key: &[u8], amount: f64) {
     if amount > 0.0 {
-        sooner_behind(ctx, (selected_db(ctx), key.to_vec()), 0, amount);
+        sooner_behind(ctx, (selected_db(ctx), key.to_vec()), &[(0, amount)]);
     }
 }

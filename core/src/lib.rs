@@ -13,4 +13,5 @@ pub mod quota;
 pub mod replay;
 pub mod throttle;
 pub mod wait;
+pub mod waiter;
 pub mod window;

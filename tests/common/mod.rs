@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 pub use redis::{cmd, Connection, Value};
 
+pub mod resp;
+
 /// The token-bucket script, the reference QAG.TAKE must match.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
 /// The refund script, the reference QAG.REFUND must match.
