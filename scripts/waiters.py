@@ -5,11 +5,14 @@ whose one slot is held, each on a connection of its own: they wait the whole min
 where a bucket's waiters would be served as its tokens come), and reports used_memory
 per waiter and the latency of another client's calls (PING and QAG.TAKE) while they
 wait, against the same calls before; then closes the waiters and checks none is left.
+Then N waiters on one bucket (`QAG.TAKE ... WAIT 60000`, its tokens all due within the
+minute), half of them (every other one) closed at once: how long another client's PING
+waited at most while the server gave their charges back and moved the rest sooner.
 
     scripts/waiters.py [N] [server binary]      (default 10000, redis-server)
 
-Needs the module built (target/release/libqag.so) and the Python client's .venv
-(scripts/python-env.sh) for redis-py."""
+Needs the module built (target/release/libqag.so, or the one QAG_MODULE names) and the
+Python client's .venv (scripts/python-env.sh) for redis-py."""
 
 import asyncio
 import os
@@ -25,7 +28,7 @@ from pathlib import Path
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE = ROOT / "target" / "release" / "libqag.so"
+MODULE = Path(os.environ.get("QAG_MODULE", ROOT / "target" / "release" / "libqag.so"))
 
 
 def free_port() -> int:
@@ -120,10 +123,60 @@ def main() -> None:
         info = client.info("qag")
         print(f"  closed: wait_given_back {info['qag_wait_given_back']}, waiters {info['qag_waiters']}, "
               f"leases {client.execute_command('QAG.LEASES', 'l')} (the holder's only)")  # fmt: skip
+        give_backs(client, port, n, loop)
         loop.close()
     finally:
         process.kill()
         process.wait()
+
+
+def resp(*words: object) -> bytes:
+    """One command's bytes."""
+    parts = [str(w).encode() for w in words]
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+def give_backs(client: "redis.Redis[bytes]", port: int, n: int, loop: asyncio.AbstractEventLoop) -> None:
+    """N waiters on one bucket, every other one closed at once; the longest PING meanwhile."""
+    import threading
+
+    # n tokens a 40 s, drained; a quarter of them owed first by a waiter of their own (10 s:
+    # nobody else is served yet); the last waiter's token within 50 s.
+    client.execute_command("QAG.TAKE", "b", n, 40, "COST", n)
+    first = loop.run_until_complete(
+        connect(port, 1, resp("QAG.TAKE", "b", n, 40, "COST", n // 4, "WAIT", 60000))
+    )
+    while client.info("qag")["qag_waiters"] < 1:
+        time.sleep(0.05)
+    given = client.info("qag")["qag_wait_given_back"]
+    writers = loop.run_until_complete(connect(port, n, resp("QAG.TAKE", "b", n, 40, "WAIT", 60000)))
+    while client.info("qag")["qag_waiters"] < n + 1:
+        time.sleep(0.05)
+    stalls: list = []
+    pinging = True
+
+    def ping() -> None:
+        other = redis.Redis(port=port)
+        while pinging:
+            started = time.perf_counter()
+            other.ping()
+            stalls.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=ping)
+    thread.start()
+    time.sleep(0.2)
+    started = time.perf_counter()
+    closed = writers[::2]
+    loop.run_until_complete(close(closed))
+    while client.info("qag")["qag_wait_given_back"] < given + len(closed):
+        time.sleep(0.01)
+    done = time.perf_counter() - started
+    time.sleep(0.2)
+    pinging = False
+    thread.join()
+    print(f"  {n} waiters on a bucket, {len(closed)} closed at once: given back within {done:.2f} s, "
+          f"another client's longest PING {max(stalls) * 1e3:.1f} ms (p50 {statistics.median(stalls) * 1e6:.0f} us)")  # fmt: skip
+    loop.run_until_complete(close(writers[1::2] + first))
 
 
 if __name__ == "__main__":

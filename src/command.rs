@@ -32,6 +32,9 @@ pub enum Reply {
     Pair(Row, Option<Row>),
     /// Nothing now: the client waits (`WAIT ms`), answered later by wait.rs.
     Held,
+    /// An error, the whole text: a waiter's answer when it cannot be served here (its
+    /// key's slot moved away while it waited).
+    Error(&'static str),
 }
 
 /// Up to six integers or nulls, kept on the stack.
@@ -344,6 +347,7 @@ impl Ctx {
                 }
             }
             Reply::Held => {}
+            Reply::Error(text) => self.reply_error(text),
         }
     }
 

@@ -164,6 +164,9 @@ fn missing_api() -> Option<&'static str> {
                 { RedisModule_SubscribeToServerEvent }.is_some(),
             ),
             ("GetClientId", { RedisModule_GetClientId }.is_some()),
+            ("Call", { RedisModule_Call }.is_some()),
+            ("Milliseconds", { RedisModule_Milliseconds }.is_some()),
+            ("FreeCallReply", { RedisModule_FreeCallReply }.is_some()),
             (
                 "AvoidReplicaTraffic",
                 { RedisModule_AvoidReplicaTraffic }.is_some(),
@@ -205,6 +208,7 @@ fn init(ctx: &Context, args: &[RedisString]) -> Status {
     replay::init(options.id_seconds, options.id_max);
     wait::set_max_waiters(options.max_waiters);
     wait::subscribe_to_server_events(ctx.ctx);
+    wait::watch_the_clock(ctx.ctx);
     stats::clear();
     let mut features = Features {
         qag_category: add_acl_category(ctx),

@@ -282,8 +282,8 @@ fn answer_of(reply: &Reply) -> AnswerRef<'_> {
         Reply::Pair(first, second) => {
             AnswerRef::Pair(first.values(), second.as_ref().map(Row::values))
         }
-        // A waiter remembers the answer it will get, never this.
-        Reply::Held => AnswerRef::Row(&[]),
+        // A waiter remembers the answer it will get, never these.
+        Reply::Held | Reply::Error(_) => AnswerRef::Row(&[]),
     }
 }
 

@@ -90,6 +90,7 @@ pub struct WaitCounters {
     timed_out: AtomicU64,
     given_back: AtomicU64,
     dropped: AtomicU64,
+    moved: AtomicU64,
     full: AtomicU64,
     waited_ms: AtomicU64,
 }
@@ -101,6 +102,7 @@ pub static WAITS: WaitCounters = WaitCounters {
     timed_out: AtomicU64::new(0),
     given_back: AtomicU64::new(0),
     dropped: AtomicU64::new(0),
+    moved: AtomicU64::new(0),
     full: AtomicU64::new(0),
     waited_ms: AtomicU64::new(0),
 };
@@ -134,6 +136,11 @@ impl WaitCounters {
         self.dropped.fetch_add(count, Ordering::Relaxed);
     }
 
+    /// A slot waiter told to try again: its key's slot moved to another node.
+    pub fn moved(&self) {
+        self.moved.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A call asked to wait longer than it may: refused at once.
     pub fn refused(&self) {
         self.refused.fetch_add(1, Ordering::Relaxed);
@@ -144,7 +151,7 @@ impl WaitCounters {
         self.full.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn fields(&self) -> [(&'static CStr, u64); 8] {
+    fn fields(&self) -> [(&'static CStr, u64); 9] {
         let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         [
             (c"wait_started", read(&self.started)),
@@ -153,6 +160,7 @@ impl WaitCounters {
             (c"wait_timed_out", read(&self.timed_out)),
             (c"wait_given_back", read(&self.given_back)),
             (c"wait_given_back_dropped", read(&self.dropped)),
+            (c"wait_moved", read(&self.moved)),
             (c"wait_full", read(&self.full)),
             (c"wait_ms", read(&self.waited_ms)),
         ]
@@ -166,6 +174,7 @@ impl WaitCounters {
             &self.timed_out,
             &self.given_back,
             &self.dropped,
+            &self.moved,
             &self.full,
             &self.waited_ms,
         ] {

@@ -32,6 +32,7 @@ use qag_core::waiter::{self, Charge, Event, Settled, Shares, Stage, Unblock};
 use redis_module::raw;
 
 use crate::command::{guarded, Reply};
+use crate::key::OwnedString;
 use crate::server::{string_bytes, Ctx};
 use crate::stats::WAITS;
 
@@ -89,9 +90,12 @@ struct Waiter {
     /// Its client's id, for the client-change event that says it is gone.
     client_id: u64,
     db: c_int,
-    arrived_micros: i64,
-    /// Its timer while it waits: a timed waiter's time, or a slot waiter's end of wait.
+    /// When it arrived, by the monotonic clock: how long it waited.
+    arrived_monotonic: i64,
+    /// Its timer while it waits: a timed waiter's time, or a slot waiter's end of wait;
+    /// and when that is by the monotonic clock (a timer follows the wall clock).
     timer: raw::RedisModuleTimerID,
+    deadline_monotonic: i64,
     timed: bool,
     stage: Stage,
     /// What it holds; taken while a family serves it, and when it is given back.
@@ -129,9 +133,10 @@ struct Registry {
     waiters: HashMap<u64, Waiter>,
     /// Waiters by their handle, until the server frees it.
     by_client: HashMap<usize, u64>,
-    /// Waiters whose answer is in their client's output, by client id, until the turn
-    /// ends (`Event::Flushed`) or the client is freed first (`Event::Gone`).
-    sent: HashMap<u64, u64>,
+    /// Waiters whose answer is in their client's output (client id, waiter), until the
+    /// turn ends (`Event::Flushed`) or the client is freed first (`Event::Gone`): the
+    /// answers of one turn, a few.
+    sent: Vec<(u64, u64)>,
     /// Whether the module is subscribed to the end of each turn and to clients leaving:
     /// only while answers are in flight.
     flushing: bool,
@@ -146,6 +151,9 @@ struct Registry {
     give_backs: Vec<GiveBack>,
     give_back_timer: bool,
     shares: Shares<RequestName, Refund>,
+    /// The server's wall clock less the monotonic one at the last cron run: a step back
+    /// of the wall clock shows as a fall.
+    clock_offset: Option<i64>,
     /// Whether the module is subscribed to the keyspace events that free a slot: only
     /// while slot waiters may be waiting, since every subscribed event on any key costs
     /// the server a context of its own (about 600 instructions).
@@ -208,6 +216,7 @@ pub fn hold(
     request: Option<Request>,
 ) -> Reply {
     let now = ctx.now_micros();
+    let arrived_monotonic = monotonic();
     // SAFETY: a live command context, `room` checked; no timeout (0): timers end each
     // wait, and the timeout callback answers CLIENT UNBLOCK.
     let client = unsafe {
@@ -255,8 +264,9 @@ pub fn hold(
                 client,
                 client_id,
                 db,
-                arrived_micros: now,
+                arrived_monotonic,
                 timer,
+                deadline_monotonic: arrived_monotonic + (due_micros - now).max(0),
                 timed,
                 stage: Stage::Waiting,
                 held: Some(held),
@@ -394,7 +404,7 @@ fn on_event(ctx: &Ctx, seq: u64, event: Event, answer: Option<Reply>) {
         let held = with(|r| r.waiters.get_mut(&seq).and_then(|w| w.held.take()));
         if let Some(held) = held {
             let now = clock();
-            let waited = waited_ms(ctx, seq, now);
+            let waited = waited_ms(seq);
             ctx.reply(held.refusal(ctx, now, waited));
             with(|r| {
                 if let Some(waiter) = r.waiters.get_mut(&seq) {
@@ -434,13 +444,11 @@ fn on_event(ctx: &Ctx, seq: u64, event: Event, answer: Option<Reply>) {
             r.by_client.remove(&(client as usize));
         }
         if sent {
-            r.sent.insert(client_id, seq);
+            r.sent.push((client_id, seq));
         }
         if step.stage == Stage::Ended {
             r.waiters.remove(&seq);
-            if r.sent.get(&client_id) == Some(&seq) {
-                r.sent.remove(&client_id);
-            }
+            r.sent.retain(|&(_, other)| other != seq);
         }
     });
     if sent {
@@ -460,8 +468,11 @@ fn on_event(ctx: &Ctx, seq: u64, event: Event, answer: Option<Reply>) {
     }
 }
 
-fn waited_ms(_ctx: &Ctx, seq: u64, now: i64) -> i64 {
-    let arrived = with(|r| r.waiters.get(&seq).map_or(now, |w| w.arrived_micros));
+/// How long waiter `seq` waited, in whole milliseconds: by the monotonic clock, so that a
+/// step of the wall clock does not change it.
+fn waited_ms(seq: u64) -> i64 {
+    let now = monotonic();
+    let arrived = with(|r| r.waiters.get(&seq).map_or(now, |w| w.arrived_monotonic));
     (now - arrived).max(0) / 1000
 }
 
@@ -480,7 +491,7 @@ fn serve_or_refuse(ctx: &Ctx, seq: u64) {
         return;
     };
     let now = clock();
-    let waited = waited_ms(ctx, seq, now);
+    let waited = waited_ms(seq);
     select_db(ctx, db);
     let served = match timed {
         true => match held.serve(ctx, now, waited) {
@@ -525,14 +536,14 @@ pub fn serve_slots(ctx: &Ctx, key: &[u8], now: i64) {
     let db = selected_db(ctx);
     let name = (db, key.to_vec());
     loop {
-        let Some((seq, mut held, arrived)) = with(|r| {
+        let Some((seq, mut held)) = with(|r| {
             let seq = slot_waiter_first(r, &name)?;
             let waiter = r.waiters.get_mut(&seq)?;
-            Some((seq, waiter.held.take()?, waiter.arrived_micros))
+            Some((seq, waiter.held.take()?))
         }) else {
             return;
         };
-        let waited = (now - arrived).max(0) / 1000;
+        let waited = waited_ms(seq);
         // Outside the registry: a write fires keyspace events that look at it.
         let served = held.serve(ctx, now, waited);
         put_back(seq, held);
@@ -758,10 +769,49 @@ extern "C" fn on_check(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {
             Writable::Never => {}
             Writable::Now => {
                 select_db(&ctx, name.0);
-                serve_slots(&ctx, &name.1, clock());
+                match served_here(&ctx, &name.1) {
+                    true => serve_slots(&ctx, &name.1, clock()),
+                    false => send_elsewhere(&ctx, &name),
+                }
             }
         }
     });
+}
+
+/// The answer of a slot waiter whose key this node no longer serves: cluster clients
+/// send a call answered TRYAGAIN again, and find the key's node.
+const TRY_AGAIN: &str =
+    "TRYAGAIN the key's slot moved to another node while the call waited; send it again";
+
+/// Whether this node serves `key` (the context's database) now. In a cluster, not a key
+/// whose slot another node serves, nor one gone from a slot being migrated away (its
+/// deletion by MIGRATE wakes its waiters): the server's own routing check, as it makes
+/// it for RM_Call. A timer's question only, never a command's: a command was routed.
+fn served_here(ctx: &Ctx, key: &[u8]) -> bool {
+    // SAFETY: a live context.
+    let flags = unsafe { raw::RedisModule_GetContextFlags.unwrap()(ctx.raw()) } as u32;
+    if flags & raw::REDISMODULE_CTX_FLAGS_CLUSTER == 0 {
+        return true;
+    }
+    let name = OwnedString::new(ctx, key);
+    // SAFETY: checked present at load; a live context and string; the reply freed here.
+    unsafe {
+        let reply =
+            raw::RedisModule_Call.unwrap()(ctx.raw(), c"EXISTS".as_ptr(), c"s".as_ptr(), name.raw);
+        if reply.is_null() {
+            return false;
+        }
+        raw::RedisModule_FreeCallReply.unwrap()(reply);
+    }
+    true
+}
+
+/// Answers every slot waiter of `name` TRYAGAIN: its key is served elsewhere now.
+fn send_elsewhere(ctx: &Ctx, name: &KeyName) {
+    while let Some(seq) = with(|r| slot_waiter_first(r, name)) {
+        WAITS.moved();
+        on_event(ctx, seq, Event::Refused, Some(Reply::Error(TRY_AGAIN)));
+    }
 }
 
 extern "C" fn on_due(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {
@@ -867,7 +917,7 @@ extern "C" fn on_turn(
     }
     let _ = guarded(|| {
         let ctx = Ctx(ctx);
-        let sent: Vec<u64> = with(|r| r.sent.values().copied().collect());
+        let sent: Vec<u64> = with(|r| r.sent.iter().map(|&(_, seq)| seq).collect());
         for seq in sent {
             on_event(&ctx, seq, Event::Flushed, None);
         }
@@ -908,7 +958,14 @@ extern "C" fn on_client_change(
     let _ = guarded(|| {
         // SAFETY: the client-change event's data, live for the callback.
         let id = unsafe { (*data.cast::<raw::RedisModuleClientInfo>()).id };
-        if let Some(seq) = with(|r| r.sent.get(&id).copied()) {
+        let gone: Vec<u64> = with(|r| {
+            r.sent
+                .iter()
+                .filter(|&&(client, _)| client == id)
+                .map(|&(_, seq)| seq)
+                .collect()
+        });
+        for seq in gone {
             on_event(&Ctx(ctx), seq, Event::Gone, None);
         }
     });
@@ -929,13 +986,101 @@ fn give_back_later(ctx: &Ctx, give_back: GiveBack) {
 /// The wall clock, Unix microseconds: outside a command, the server's cached time may be
 /// as old as its last command or cron run.
 fn clock() -> i64 {
+    read_clock(libc::CLOCK_REALTIME)
+}
+
+/// The monotonic clock, microseconds: what bounds a wait, whatever the wall clock does.
+fn monotonic() -> i64 {
+    read_clock(libc::CLOCK_MONOTONIC)
+}
+
+fn read_clock(which: libc::clockid_t) -> i64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    unsafe { libc::clock_gettime(which, &mut ts) };
     ts.tv_sec * 1_000_000 + ts.tv_nsec / 1000
+}
+
+/// How far the wall clock may fall behind the monotonic one between two cron runs
+/// before it counts as stepped back (slewing moves it by microseconds a second; the
+/// server's clock is read to the millisecond).
+const CLOCK_STEP_MICROS: i64 = 50_000;
+
+/// Subscribes to the server's cron (`hz` times a second, on its monotonic clock); called
+/// at load. Each run reads two clocks.
+pub fn watch_the_clock(ctx: *mut raw::RedisModuleCtx) {
+    let event = raw::RedisModuleEvent {
+        id: raw::REDISMODULE_EVENT_CRON_LOOP,
+        dataver: 1,
+    };
+    // SAFETY: checked present at load; a live load context.
+    unsafe { raw::RedisModule_SubscribeToServerEvent.unwrap()(ctx, event, Some(on_cron)) };
+}
+
+/// A cron run: where the wall clock stepped back since the last, every waiter's timer
+/// is set again by the monotonic clock. A module timer follows the wall clock, so a
+/// step back of a minute would hold each waiter a minute beyond its wait (and beyond
+/// the 60 s any wait may last); a step forward fires timers early, and the families'
+/// arithmetic, which reads the wall clock, sees that much time gone too.
+extern "C" fn on_cron(
+    ctx: *mut raw::RedisModuleCtx,
+    _event: raw::RedisModuleEvent,
+    _subevent: u64,
+    _data: *mut c_void,
+) {
+    let _ = guarded(|| {
+        // The server's own wall clock: the one its module timers follow.
+        // SAFETY: checked present at load.
+        let wall = unsafe { raw::RedisModule_Milliseconds.unwrap()() } * 1000;
+        let offset = wall - monotonic();
+        let Some(last) = with(|r| r.clock_offset.replace(offset)) else {
+            return;
+        };
+        if last - offset > CLOCK_STEP_MICROS {
+            set_timers_again(&Ctx(ctx), last - offset);
+        }
+    });
+}
+
+/// After the wall clock stepped back by `step`: each waiter's timer set to its monotonic
+/// deadline, the keys' looks that were due by then made now, the give-backs made now.
+fn set_timers_again(ctx: &Ctx, step: i64) {
+    let now_monotonic = monotonic();
+    let waiting: Vec<(u64, raw::RedisModuleTimerID, i64)> = with(|r| {
+        r.waiters
+            .iter()
+            .filter(|(_, w)| w.stage == Stage::Waiting && w.timer != NO_TIMER)
+            .map(|(&seq, w)| (seq, w.timer, w.deadline_monotonic))
+            .collect()
+    });
+    for (seq, timer, deadline) in waiting {
+        stop_timer(ctx, timer);
+        let timer = start_timer(ctx, deadline - now_monotonic, on_due, seq);
+        with(|r| {
+            if let Some(waiter) = r.waiters.get_mut(&seq) {
+                waiter.timer = timer;
+            }
+        });
+    }
+    // A lease's expiry is on the wall clock: a look at it stays there, unless it was
+    // due by the time the clock stepped.
+    let now = clock();
+    let due: Vec<KeyName> = with(|r| {
+        r.checks
+            .iter()
+            .filter(|(_, &(_, at))| at <= now + step)
+            .map(|(name, _)| name.clone())
+            .collect()
+    });
+    for name in due {
+        check_at(ctx, name, 0);
+    }
+    if with(|r| r.give_back_timer) {
+        start_timer(ctx, 0, on_give_backs, 0);
+    }
 }
 
 extern "C" fn on_give_backs(ctx: *mut raw::RedisModuleCtx, _data: *mut c_void) {
@@ -1001,9 +1146,11 @@ fn sooner_behind(ctx: &Ctx, name: KeyName, amounts: &[(u64, f64)]) {
         if let Some((timer, at)) = moved {
             stop_timer(ctx, timer);
             let timer = start_timer(ctx, at - now, on_due, other);
+            let deadline = monotonic() + (at - now).max(0);
             with(|r| {
                 if let Some(waiter) = r.waiters.get_mut(&other) {
                     waiter.timer = timer;
+                    waiter.deadline_monotonic = deadline;
                 }
             });
         }

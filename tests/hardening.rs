@@ -330,39 +330,20 @@ fn mixed_load_runs_without_errors() {
 }
 
 /// The server under valgrind's memcheck, a mixed workload with bad calls among good
-/// ones, a clean shutdown: no leak and no invalid access in the module's frames. Needs a
-/// server built with libc malloc (jemalloc hides allocations from memcheck): Valkey's
-/// build here is one; on the others the test says so and returns.
+/// ones, a clean shutdown: no leak and no invalid access in the module's frames (where
+/// memcheck sees the server's allocations: `memcheck_sees_the_servers_allocations`).
 #[test]
 fn memcheck_finds_nothing_in_the_module() {
     let _alone = alone();
     if external("valgrind") {
         return;
     }
-    let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-    let version = std::process::Command::new(&binary)
-        .arg("--version")
-        .output()
-        .unwrap();
-    if !String::from_utf8_lossy(&version.stdout).contains("malloc=libc") {
-        eprintln!("valgrind: skipped for {binary}: not built with libc malloc");
+    if !memcheck_sees_the_servers_allocations() {
         return;
-    }
-    if std::process::Command::new("valgrind")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        panic!("valgrind is not installed (scripts/setup.sh installs it)");
     }
     let log = std::env::temp_dir().join(format!("qag-memcheck-{}.log", std::process::id()));
     let server = Server::start(&ServerOptions {
-        wrapper: vec![
-            "valgrind".into(),
-            "--leak-check=full".into(),
-            "--show-leak-kinds=definite,indirect".into(),
-            format!("--log-file={}", log.display()),
-        ],
+        wrapper: memcheck(&log),
         module_args: vec!["TEST-COMMANDS".into()],
         ..Default::default()
     });
@@ -405,38 +386,7 @@ fn memcheck_finds_nothing_in_the_module() {
     }
     drop(con);
     server.shutdown();
-    let report = std::fs::read_to_string(&log).unwrap();
-    let _ = std::fs::remove_file(&log);
-    // Each error or leak record is a block of "==pid== " lines ended by an empty one;
-    // look at the records whose stack names the module.
-    let mut records = vec![String::new()];
-    for line in report.lines() {
-        let text = line.splitn(3, "==").nth(2).unwrap_or(line).trim();
-        match (text.is_empty(), records.last_mut()) {
-            (true, _) => records.push(String::new()),
-            (false, Some(record)) => {
-                record.push_str(text);
-                record.push('\n');
-            }
-            (false, None) => unreachable!("records starts non-empty"),
-        }
-    }
-    let in_module: Vec<&String> = records
-        .iter()
-        .filter(|r| r.contains("libqag") || r.contains("qag::") || r.contains("qag_core::"))
-        .filter(|r| {
-            r.contains("definitely lost") || r.contains("Invalid") || r.contains("uninitialised")
-        })
-        .collect();
-    assert!(
-        report.contains("ERROR SUMMARY"),
-        "valgrind did not finish:\n{report}"
-    );
-    let summary: Vec<&String> = records
-        .iter()
-        .filter(|r| r.contains("LEAK SUMMARY") || r.contains("ERROR SUMMARY"))
-        .collect();
-    eprintln!("memcheck: {summary:?}");
+    let in_module = memcheck_findings(&log, false);
     assert!(
         in_module.is_empty(),
         "memcheck found problems in the module:\n{in_module:#?}"

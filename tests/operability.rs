@@ -184,6 +184,8 @@ fn info_counts_every_call_error_and_decision() {
         ("wait_refused", 0),
         ("wait_timed_out", 0),
         ("wait_given_back", 0),
+        ("wait_given_back_dropped", 0),
+        ("wait_moved", 0),
         ("wait_full", 0),
         ("wait_ms", 0),
     ]

@@ -763,8 +763,15 @@ fn bucket_step(rng: &mut StdRng, now_micros: i64) -> Step {
         78 => write(words(&format!("HSET {key} tokens -1000"))),
         79 => {
             let field = pick(rng, &["tokens", "ts"]);
-            // Not hexadecimal, which Lua reads and the module does not (docs/scripts.md).
-            let value = pick(rng, &["abc", "", "inf", "nan", " 2 ", "+1.5", "1e400"]);
+            // Beside values no number: what only Lua's tonumber read before issue 44
+            // (hexadecimal, a vertical tab, a NUL after the number): read alike.
+            let value = pick(
+                rng,
+                &[
+                    "abc", "", "inf", "nan", " 2 ", "+1.5", "1e400", "0x10", "0X10", "0x1p4",
+                    " 0x10", "-0x10", "\x0b5", "5\x0b", "1.5\0", "1.5\0x", " 5\0\x0b", "\x0c7\r",
+                ],
+            );
             write(args(&["HSET", &key, field, value]))
         }
         // Replies remembered by a call that waited (due soon, or past), and of other

@@ -28,9 +28,7 @@ fn with_admin_commands() -> ServerOptions {
 }
 
 fn info_field(con: &mut RawCon, section: &str, field: &str) -> i64 {
-    let text = con.call(&["INFO", section]).text();
-    text.lines()
-        .find_map(|line| line.strip_prefix(&format!("{field}:"))?.trim().parse().ok())
+    con.info(section, field)
         .unwrap_or_else(|| panic!("no {field} in INFO {section}"))
 }
 
@@ -538,4 +536,143 @@ fn once_every_waiter_is_gone_the_module_unloads() {
             }
         }
     }
+}
+
+/// A slot migrated away while a lease waits on one of its keys (MIGRATE deletes the key
+/// here, which wakes its waiters): the waiter is told to try again, and the node never
+/// writes the key again in a slot it is giving away (before: the waiter was given a
+/// slot in a key the node no longer served, an orphan beside the migrated one).
+#[test]
+fn a_waiter_on_a_slot_migrated_away_is_sent_elsewhere() {
+    if external("a_waiter_on_a_slot_migrated_away_is_sent_elsewhere") {
+        return;
+    }
+    let nodes = start_cluster(&ServerOptions::default());
+    let key = "lease:{m}";
+    let owner = |port: u16| {
+        let mut con = RawCon::connect(port);
+        !con.call(&["QAG.LEASES", key]).is_err()
+    };
+    let a = nodes.iter().position(|n| owner(n.port)).expect("an owner");
+    let b = (a + 1) % nodes.len();
+    let mut on_a = RawCon::connect(nodes[a].port);
+    let mut on_b = RawCon::connect(nodes[b].port);
+    let slot = on_a.call(&["CLUSTER", "KEYSLOT", key]).ints()[0].to_string();
+    let id = |con: &mut RawCon| con.call(&["CLUSTER", "MYID"]).text();
+    let (a_id, b_id) = (id(&mut on_a), id(&mut on_b));
+    assert_eq!(
+        on_a.call(&["QAG.LEASE", key, "1", "60000", "holder"])
+            .ints()[0],
+        1
+    );
+    let mut waiter = RawCon::connect(nodes[a].port);
+    waiter.send(&[&["QAG.LEASE", key, "1", "60000", "waiter", "WAIT", "5000"]]);
+    until("waiters", 1, || qag(&mut on_a, "waiters"));
+    assert_eq!(
+        on_b.call(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &a_id])
+            .text(),
+        "OK"
+    );
+    assert_eq!(
+        on_a.call(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &b_id])
+            .text(),
+        "OK"
+    );
+    let port = nodes[b].port.to_string();
+    let moved = on_a.call(&["MIGRATE", "127.0.0.1", &port, key, "0", "5000"]);
+    assert_eq!(moved.text(), "OK", "{moved:?}");
+    let answer = waiter.reply(Duration::from_secs(5)).expect("an answer");
+    assert!(
+        matches!(&answer, Resp::Err(text) if text.starts_with("TRYAGAIN")),
+        "{answer:?}"
+    );
+    for node in &nodes {
+        let mut con = RawCon::connect(node.port);
+        assert_eq!(
+            con.call(&["CLUSTER", "SETSLOT", &slot, "NODE", &b_id])
+                .text(),
+            "OK"
+        );
+    }
+    assert_eq!(
+        on_a.call(&["CLUSTER", "COUNTKEYSINSLOT", &slot]).ints()[0],
+        0
+    );
+    let members = on_b.call(&["ZRANGE", key, "0", "-1"]);
+    assert_eq!(members, Resp::Array(vec![Resp::Str(b"holder".to_vec())]));
+}
+
+/// libfaketime, which scripts/setup.sh installs (Debian's faketime).
+fn libfaketime() -> std::path::PathBuf {
+    std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .filter_map(|entry| {
+            let path = entry.ok()?.path().join("faketime/libfaketime.so.1");
+            path.exists().then_some(path)
+        })
+        .next()
+        .expect("libfaketime is not installed (scripts/setup.sh installs faketime)")
+}
+
+/// The server's wall clock stepped back 10 s while a lease waits for a slot and a take
+/// for its tokens: both are answered when their waits say (the module sets their timers
+/// again by the monotonic clock), not 10 s later (before: 12 s for a wait of 2). Where
+/// the server can run under libfaketime (built with libc's malloc: the Valkeys here;
+/// libfaketime and a jemalloc built in or linked do not start together).
+#[test]
+fn a_wall_clock_stepped_back_delays_no_waiter() {
+    if external("a_wall_clock_stepped_back_delays_no_waiter") {
+        return;
+    }
+    let binary = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+    let version = std::process::Command::new(&binary)
+        .arg("--version")
+        .output()
+        .unwrap();
+    if !String::from_utf8_lossy(&version.stdout).contains("malloc=libc") {
+        eprintln!("skipped for {binary}: libfaketime does not start beside its jemalloc");
+        return;
+    }
+    let _timed = Cores::shared();
+    let offset = std::env::temp_dir().join(format!("qag-faketime-{}", std::process::id()));
+    std::fs::write(&offset, "+0").unwrap();
+    let server = Server::start(&ServerOptions {
+        wrapper: vec![
+            "env".into(),
+            format!("LD_PRELOAD={}", libfaketime().display()),
+            format!("FAKETIME_TIMESTAMP_FILE={}", offset.display()),
+            "FAKETIME_NO_CACHE=1".into(),
+            "DONT_FAKE_MONOTONIC=1".into(),
+        ],
+        ..Default::default()
+    });
+    let mut admin = RawCon::connect(server.port);
+    admin.call(&["QAG.LEASE", "L", "1", "60000", "holder"]);
+    admin.call(&["QAG.TAKE", "b", "1", "2"]);
+    let mut lease = RawCon::connect(server.port);
+    lease.send(&[&["QAG.LEASE", "L", "1", "60000", "w", "WAIT", "2000"]]);
+    let mut take = RawCon::connect(server.port);
+    take.send(&[&["QAG.TAKE", "b", "1", "2", "WAIT", "5000"]]);
+    until("waiters", 2, || qag(&mut admin, "waiters"));
+    let sent = Instant::now();
+    std::fs::write(&offset, "-10").unwrap();
+    let refused = lease
+        .reply(Duration::from_secs(8))
+        .expect("the lease's answer");
+    let refused_after = sent.elapsed();
+    let served = take
+        .reply(Duration::from_secs(8))
+        .expect("the take's answer");
+    let served_after = sent.elapsed();
+    let _ = std::fs::remove_file(&offset);
+    assert_eq!(refused.ints()[..2], [0, 1], "{refused:?}");
+    assert_eq!(served.ints()[..3], [1, 0, 0], "{served:?}");
+    assert!(
+        refused_after < Duration::from_millis(2500),
+        "{refused_after:?}"
+    );
+    assert!(
+        served_after < Duration::from_millis(2500),
+        "{served_after:?}"
+    );
 }

@@ -276,10 +276,13 @@ pub fn expiry_after_call(current: i64, now_micros: i64, state: &State, limit: Li
     }
 }
 
-/// Reads a stored field the way the script does: a finite decimal number, else nothing.
-/// Surrounding blanks are allowed, as Lua's tonumber allows them.
+/// Reads a stored field as the scripts' Lua reads it (`tonumber`): a finite number,
+/// else nothing. What qag writes, a decimal number, is read at once; anything else
+/// (blanks around it, hexadecimal, a NUL after it: values no call writes) as C's strtod
+/// reads it, which is what Lua calls (`number::c_number`).
 pub fn parse_field(bytes: &[u8]) -> Option<f64> {
     crate::args::parse_number(bytes.trim_ascii())
+        .or_else(|| crate::number::c_number(bytes).filter(|value| value.is_finite()))
 }
 
 /// Reads both fields; a bucket with either missing or unreadable counts as full.
@@ -924,8 +927,30 @@ mod tests {
             b"1e999",
             b"\xff",
             b"1,5",
+            b"0x",
+            b"0x1p",
+            b"1x1",
+            b"\x005",
+            b"0x1p99999",
         ] {
             assert_eq!(parse_field(bad), None, "{bad:?}");
+        }
+        // As Lua's tonumber reads them (the review's values): hexadecimal, any C blank
+        // around, up to a NUL.
+        for (text, value) in [
+            (&b"0x10"[..], 16.0),
+            (b"0X10", 16.0),
+            (b"0x1p4", 16.0),
+            (b" 0x10", 16.0),
+            (b"-0x10", -16.0),
+            (b"0x1.8p1", 3.0),
+            (b"\x0b5", 5.0),
+            (b"5\x0b", 5.0),
+            (b"\x0c7\r", 7.0),
+            (b"1.5\0abc", 1.5),
+            (b" 2\0", 2.0),
+        ] {
+            assert_eq!(parse_field(text), Some(value), "{text:?}");
         }
         assert_eq!(parse_state(Some(b"1"), None), None);
         assert_eq!(parse_state(Some(b"x"), Some(b"1")), None);

@@ -39,6 +39,31 @@ pub fn format_number(buffer: &mut NumberBuffer, value: f64) -> &str {
     text.strip_suffix(".0").unwrap_or(text)
 }
 
+/// A number as the scripts' Lua 5.1 reads text with `tonumber` (its `luaO_str2d`): C's
+/// strtod on the text up to its first NUL (a C string: decimal or hexadecimal, `inf`,
+/// `nan`), C's blanks (space, `\t`, `\n`, `\v`, `\f`, `\r`) before and after it, nothing
+/// else after; where strtod stops at an `x`, strtoul's hexadecimal instead. None where
+/// it reads no number. Only for text that is not a plain decimal: it copies the text.
+pub fn c_number(bytes: &[u8]) -> Option<f64> {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    let text = std::ffi::CString::new(&bytes[..end]).ok()?;
+    let start = text.as_ptr();
+    let mut stop: *mut std::ffi::c_char = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated string; strtod sets `stop` within it.
+    let mut value = unsafe { libc::strtod(start, &mut stop) };
+    let mut read = stop as usize - start as usize;
+    if read == 0 {
+        return None;
+    }
+    if matches!(bytes.get(read), Some(b'x' | b'X')) {
+        // SAFETY: as above.
+        value = unsafe { libc::strtoul(start, &mut stop, 16) } as f64;
+        read = stop as usize - start as usize;
+    }
+    let blank = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r');
+    bytes[read..end].iter().all(blank).then_some(value)
+}
+
 /// Formats `n` in decimal into `buffer`.
 pub fn format_integer(buffer: &mut NumberBuffer, n: u64) -> &str {
     let end = buffer.digits.len();

@@ -868,3 +868,80 @@ impl Cores {
         Cores(file)
     }
 }
+
+/// Whether memcheck sees the allocations of the server REDIS_SERVER names: one built with
+/// libc malloc (the Valkeys here), or one that links jemalloc as a shared library
+/// (Debian's Redis 7.0), whose functions valgrind replaces; not one with jemalloc built
+/// in (Redis 8.2 here), whose allocations it cannot see. Says so when not; panics when
+/// valgrind is missing.
+pub fn memcheck_sees_the_servers_allocations() -> bool {
+    let binary = server_binary();
+    let version = Command::new(&binary).arg("--version").output().unwrap();
+    let libc = String::from_utf8_lossy(&version.stdout).contains("malloc=libc");
+    let shared_jemalloc = Command::new("ldd")
+        .arg(&binary)
+        .output()
+        .map(|out| String::from_utf8_lossy(&out.stdout).contains("libjemalloc.so"))
+        .unwrap_or(false);
+    if !(libc || shared_jemalloc) {
+        eprintln!(
+            "valgrind: skipped for {binary}: its allocator is built in, out of memcheck's sight"
+        );
+        return false;
+    }
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        panic!("valgrind is not installed (scripts/setup.sh installs it)");
+    }
+    true
+}
+
+/// valgrind's options for a server under memcheck, its report written to `log`.
+pub fn memcheck(log: &std::path::Path) -> Vec<String> {
+    vec![
+        "valgrind".into(),
+        "--leak-check=full".into(),
+        "--show-leak-kinds=definite,indirect".into(),
+        format!("--log-file={}", log.display()),
+    ]
+}
+
+/// The records of a memcheck report (the file at `log`, removed) that name the module
+/// and say it leaked, read or wrote where it should not, or used uninitialised memory;
+/// with `any_invalid`, also every invalid read, write or free in the server's own
+/// frames (where a module's misuse of the API shows: a handle the server frees twice).
+/// Panics if the report is not whole (valgrind did not finish).
+pub fn memcheck_findings(log: &std::path::Path, any_invalid: bool) -> Vec<String> {
+    let report = std::fs::read_to_string(log).unwrap();
+    let _ = std::fs::remove_file(log);
+    // Each error or leak record is a block of "==pid== " lines ended by an empty one.
+    let mut records = vec![String::new()];
+    for line in report.lines() {
+        let text = line.splitn(3, "==").nth(2).unwrap_or(line).trim();
+        match (text.is_empty(), records.last_mut()) {
+            (true, _) => records.push(String::new()),
+            (false, Some(record)) => {
+                record.push_str(text);
+                record.push('\n');
+            }
+            (false, None) => unreachable!("records starts non-empty"),
+        }
+    }
+    assert!(
+        report.contains("ERROR SUMMARY"),
+        "valgrind did not finish:\n{report}"
+    );
+    let summary: Vec<&String> = records
+        .iter()
+        .filter(|r| r.contains("LEAK SUMMARY") || r.contains("ERROR SUMMARY"))
+        .collect();
+    eprintln!("memcheck: {summary:?}");
+    let in_module =
+        |r: &String| r.contains("libqag") || r.contains("qag::") || r.contains("qag_core::");
+    let bad = |r: &String| {
+        r.contains("definitely lost") || r.contains("Invalid") || r.contains("uninitialised")
+    };
+    records
+        .into_iter()
+        .filter(|r| (in_module(r) && bad(r)) || (any_invalid && r.contains("Invalid")))
+        .collect()
+}

@@ -87,18 +87,21 @@ impl RawCon {
         self.stream.write_all(&bytes).expect("write");
     }
 
-    /// The next reply, waited for up to `within`.
+    /// The next reply, waited for up to `within` (what has arrived already is read
+    /// however little time is left).
     pub fn reply(&mut self, within: Duration) -> Result<Resp, NoReply> {
         let deadline = Instant::now() + within;
+        let mut read_once = false;
         loop {
             if let Some((reply, used)) = parse(&self.buf) {
                 self.buf.drain(..used);
                 return Ok(reply);
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if left.is_zero() && read_once {
                 return Err(NoReply::Late);
             }
+            read_once = true;
             self.stream
                 .set_read_timeout(Some(left.max(Duration::from_millis(1))))
                 .expect("timeout");
@@ -119,12 +122,31 @@ impl RawCon {
             .unwrap_or_else(|e| panic!("{words:?}: {e:?}"))
     }
 
+    /// A field of an INFO section, as a number.
+    pub fn info(&mut self, section: &str, field: &str) -> Option<i64> {
+        let text = self.call(&["INFO", section]).text();
+        text.lines().find_map(|line| {
+            line.strip_prefix(field)?
+                .strip_prefix(':')?
+                .trim()
+                .parse()
+                .ok()
+        })
+    }
+
     /// The connection's client id.
     pub fn id(&mut self) -> i64 {
         match self.call(&["CLIENT", "ID"]) {
             Resp::Int(id) => id,
             other => panic!("CLIENT ID: {other:?}"),
         }
+    }
+
+    /// Closes its side (a FIN): the server reads an end, and what it sent before can
+    /// still be read here.
+    pub fn half_close(self) -> RawCon {
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        self
     }
 
     /// Closes with a reset (SO_LINGER 0): the server reads an error, not an end.

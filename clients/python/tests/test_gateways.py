@@ -912,6 +912,48 @@ def test_a_request_beyond_max_waiting_is_answered_at_once(
     assert took < 1.5, took
 
 
+def test_a_client_that_leaves_while_its_request_waits_gives_back(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway], timing: None
+) -> None:
+    """Issue 44: a key of 10 a second, drained; 20 requests wait for their turn, and
+    their HTTP clients give up after 0.3 s. The middleware sees each client leave
+    (``http.disconnect``) and cuts its wait short: the server gives the token back (before,
+    all 20 were served by Redis and counted, ``qag_wait_given_back`` stayed 0), so a
+    request sent after them is served at once instead of 2 s later, behind them."""
+    server = start_server()
+    gateway = start_gateway(server, "--key-limit", "10/1", "--wait", "8000")
+    url = gateway.url("key=acme~leave")
+    assert httpx.get(url, timeout=10).status_code == 200
+
+    async def leave_then_ask() -> Tuple[int, float]:
+        # Drained at once (10 calls one after another would take a refill's worth).
+        server.client().execute_command(
+            "QAG.TAKE", "qag:ratelimit:key:10/1:acme~leave", 10, 1, "COST", 9
+        )
+        async with httpx.AsyncClient(
+            timeout=0.3, limits=httpx.Limits(max_connections=30)
+        ) as impatient:
+            answers = await asyncio.gather(
+                *(impatient.get(url) for _ in range(20)), return_exceptions=True
+            )
+        served = sum(1 for a in answers if isinstance(a, httpx.Response) and a.status_code == 200)
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(timeout=10) as patient:
+            started = time.monotonic()
+            response = await patient.get(url)
+            assert response.status_code == 200, response.text
+            return served, time.monotonic() - started
+
+    served, took = asyncio.run(leave_then_ask())
+    given_back = int(server.client().info("qag")["qag_wait_given_back"])
+    # Those whose token came within 0.3 s were served; the others gave it back (but
+    # for one whose answer was on its way as its client gave up: it was sent).
+    assert served <= 5, served
+    assert given_back >= 20 - served - 2, (served, given_back)
+    assert took < 0.5, f"the request after them waited {took:.2f} s"
+    assert int(server.client().info("qag")["qag_waiters"]) == 0
+
+
 @pytest.mark.cores
 @pytest.mark.parametrize("with_module", [True, False], ids=["module", "script"])
 def test_two_hundred_requests_at_once_stay_within_every_limit(

@@ -1210,6 +1210,65 @@ async fn a_request_waits_for_its_turn_instead_of_a_429() {
     assert_eq!(without_request_id(&body), without_request_id(&plain_body));
 }
 
+/// Issue 44: a key of 10 a second, drained; 20 requests wait for their turn, and their
+/// HTTP clients give up after 0.3 s. hyper sees each connection close and drops the
+/// request's future, and with it the waiting call's connection: the server gives the
+/// token back, so a request sent after them is served at once, not 2 s later.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_leaves_while_its_request_waits_gives_back() {
+    if external("a_client_that_leaves_while_its_request_waits_gives_back") {
+        return;
+    }
+    let _timed = Cores::shared();
+    let server = Server::start(&ServerOptions::default());
+    let mut con = server.client().get_connection().unwrap();
+    let gateway = Gateway::start(&server, &["--key-limit", "10/1", "--wait", "8000"]);
+    let url = gateway.url("key=acme~leave");
+    assert_eq!(get(&url).await.0, 200);
+    // Drained at once (10 calls one after another would take a refill's worth).
+    let _: Value = cmd("QAG.TAKE")
+        .arg("qag:ratelimit:key:10/1:acme~leave")
+        .arg(&[10, 1])
+        .arg("COST")
+        .arg(9)
+        .query(&mut con)
+        .unwrap();
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let leaving: Vec<_> = (0..20)
+        .map(|_| {
+            let (client, url) = (impatient.clone(), url.clone());
+            tokio::spawn(async move { client.get(&url).send().await })
+        })
+        .collect();
+    let mut served = 0;
+    for request in leaving {
+        if let Ok(response) = request.await.unwrap() {
+            served += u64::from(response.status() == 200);
+        }
+    }
+    drop(impatient);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    assert_eq!(get(&url).await.0, 200);
+    let took = started.elapsed();
+    // Those whose token came within 0.3 s were served; the others gave it back (but
+    // for one whose answer was on its way as its client gave up: it was sent).
+    assert!(served <= 5, "{served}");
+    let given_back = info_field(&mut con, "qag_wait_given_back");
+    assert!(
+        given_back + 2 + served >= 20,
+        "{served} served, {given_back} given back"
+    );
+    assert!(
+        took < Duration::from_millis(500),
+        "the request after them waited {took:?}"
+    );
+    assert_eq!(info_field(&mut con, "qag_waiters"), 0);
+}
+
 /// With every connection for waits taken (`--max-waiting 1`), a request that would wait
 /// is answered as without a wait, as the server answers one beyond MAX-WAITERS: a 429
 /// with the bucket's fields, not a 503 (it was: `Error::Busy`). A wait longer than the

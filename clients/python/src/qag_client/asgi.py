@@ -18,12 +18,26 @@ Order, answers and headers are those of the Rust client's tower layer (see
 dependency). The call and the rows reported so far are added to the quota when the
 response starts, and the header fields are added to it then; the slot is held until
 the last ``http.response.body`` message, or until the app returns or raises (a client
-gone mid-stream), and rows reported while streaming are added then.
+gone mid-stream), and rows reported while streaming are added then. A request that may
+wait for its turn (``wait=``) is watched while it waits: its client gone
+(``http.disconnect``), the wait is cut short and nothing is answered.
 """
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Dict, Iterable, MutableMapping, Optional, Union
+import asyncio
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    MutableMapping,
+    Optional,
+    Tuple,
+    Union,
+)
 
 from ._async import AsyncLimiter
 from ._gateway import (
@@ -52,6 +66,52 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 STATE_KEY = "qag"
+
+# A request's admission cut short: its client left while it waited.
+_GONE = object()
+
+
+async def _unless_gone(admission: Awaitable[Any], receive: Receive) -> Tuple[Any, Receive]:
+    """Runs a request's admission, which may wait for its turn, watching its client: a
+    client gone (``http.disconnect``) cancels it, and the waiting call's connection
+    closes, so the server gives back what the wait charged (a slot the server may have
+    given it is released in the background, what the request took before is its cost,
+    as for any interrupted admission). What the watch read meanwhile (the request's
+    body) is handed to the app first. Returns the outcome (``_GONE``: the client left)
+    and the ``receive`` the app is to get."""
+    admitting = asyncio.ensure_future(admission)
+    early: List[Message] = []
+    try:
+        while not admitting.done():
+            watch = asyncio.ensure_future(receive())
+            try:
+                await asyncio.wait((admitting, watch), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not watch.done():
+                    # Nothing was read: a receive waiting is cancelled before it reads.
+                    watch.cancel()
+                    await asyncio.wait((watch,))
+            if watch.cancelled():
+                break
+            message = watch.result()
+            if message["type"] == "http.disconnect" and not admitting.done():
+                admitting.cancel()
+                await asyncio.wait((admitting,))
+                return _GONE, receive
+            # A client gone once admitted: the app sees it, and what was taken is
+            # given back at its end, as for any request.
+            early.append(message)
+    except BaseException:
+        admitting.cancel()
+        raise
+    outcome = await admitting
+    if not early:
+        return outcome, receive
+
+    async def replaying() -> Message:
+        return early.pop(0) if early else await receive()
+
+    return outcome, replaying
 
 
 def _parts(scope: Scope) -> RequestParts:
@@ -143,7 +203,13 @@ class RateLimitMiddleware:
             return
         limiter = self.limiter
         request = Limiting(self.config, _parts(scope))
-        outcome = await drive_async(limiter, request.admit(), request.budget)
+        admission = drive_async(limiter, request.admit(), request.budget)
+        if self.config.waits:
+            outcome, receive = await _unless_gone(admission, receive)
+            if outcome is _GONE:
+                return
+        else:
+            outcome = await admission
         if isinstance(outcome, Refusal):
             status, fields, body = request.refused(outcome)
             await send(
