@@ -79,7 +79,7 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="qag-waiters-")
     process = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", directory,
-         "--maxclients", str(n + 100), "--loadmodule", str(MODULE), "MAX-WAITERS", str(n)],
+         "--maxclients", str(n + 100), "--loadmodule", str(MODULE), "MAX-WAITERS", str(n + 1)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -140,16 +140,16 @@ def give_backs(client: "redis.Redis[bytes]", port: int, n: int, loop: asyncio.Ab
     """N waiters on one bucket, every other one closed at once; the longest PING meanwhile."""
     import threading
 
-    # n tokens a 40 s, drained; a quarter of them owed first by a waiter of their own (10 s:
-    # nobody else is served yet); the last waiter's token within 50 s.
-    client.execute_command("QAG.TAKE", "b", n, 40, "COST", n)
+    # n tokens a 20 s, drained; all of them owed first by a waiter of their own (20 s:
+    # nobody else is served before); the last waiter's token within 40 s.
+    client.execute_command("QAG.TAKE", "b", n, 20, "COST", n)
     first = loop.run_until_complete(
-        connect(port, 1, resp("QAG.TAKE", "b", n, 40, "COST", n // 4, "WAIT", 60000))
+        connect(port, 1, resp("QAG.TAKE", "b", n, 20, "COST", n, "WAIT", 60000))
     )
     while client.info("qag")["qag_waiters"] < 1:
         time.sleep(0.05)
     given = client.info("qag")["qag_wait_given_back"]
-    writers = loop.run_until_complete(connect(port, n, resp("QAG.TAKE", "b", n, 40, "WAIT", 60000)))
+    writers = loop.run_until_complete(connect(port, n, resp("QAG.TAKE", "b", n, 20, "WAIT", 60000)))
     while client.info("qag")["qag_waiters"] < n + 1:
         time.sleep(0.05)
     stalls: list = []
