@@ -149,9 +149,11 @@ impl Command for Lease {
         let call = lease::parse_lease(args)?;
         let now = ctx.now_micros();
         let name = args.get(call.key);
-        // Waiters first: a newcomer never takes a slot ahead of them.
-        if wait::has_waiters(ctx, name) {
-            wait::serve_slots(ctx, name, now);
+        // Waiters first: a newcomer never takes a slot one of them is owed. They are
+        // given slots by a timer a moment later, never inside a command (see wait.rs).
+        let owed = wait::slot_waiters(ctx, name);
+        if owed > 0 {
+            wait::look_again(ctx, name, 0);
         }
         let mut slots = Slots::open_at(ctx, args.string(call.key), Access::ReadWrite, now)?;
         let id = args.string(call.id);
@@ -159,7 +161,8 @@ impl Command for Lease {
             Some(_) => Reply::Array(Row::from([i64::from(acquired), live as i64, retry, 0])),
             None => Reply::Array([i64::from(acquired), live as i64, retry].into()),
         };
-        if let Some((live, _)) = slots.acquire(id, call.max, call.ttl_millis) {
+        let max = call.max.saturating_sub(owed as i64);
+        if let Some((live, _)) = slots.acquire(id, max, call.ttl_millis) {
             LEASE.allowed_or_refused(true);
             return Ok(reply(true, live, 0));
         }
@@ -318,8 +321,9 @@ impl Command for Release {
         slots.expire_with_latest_lease();
         drop(slots);
         let name = args.get(call.key);
+        // Its waiters are given the slot by a timer a moment later (see wait.rs).
         if wait::has_waiters(ctx, name) {
-            wait::serve_slots(ctx, name, ctx.now_micros());
+            wait::look_again(ctx, name, 0);
         }
         Ok(Reply::Integer(i64::from(live)))
     }

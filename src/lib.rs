@@ -163,7 +163,6 @@ fn missing_api() -> Option<&'static str> {
                 "SubscribeToServerEvent",
                 { RedisModule_SubscribeToServerEvent }.is_some(),
             ),
-            ("GetClientId", { RedisModule_GetClientId }.is_some()),
             ("Call", { RedisModule_Call }.is_some()),
             ("Milliseconds", { RedisModule_Milliseconds }.is_some()),
             ("FreeCallReply", { RedisModule_FreeCallReply }.is_some()),

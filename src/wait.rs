@@ -2,9 +2,10 @@
 //! answers, as BLPOP answers when a list fills. Each family's waiting call is a [`Held`]:
 //! a timed one (a token bucket's, a throttle's: charged when it arrives, answered at the
 //! time its tokens exist) is answered by a timer at that time; a slot waiter (a lease's)
-//! is answered by the events that free a slot (a release, a lease running out, any
-//! change to its key, a flush or a database swap), and refused by a timer when its wait
-//! runs out. Waiters of one key are kept in arrival order: a timed one is served in that
+//! is answered by a timer a moment after an event frees a slot (a release, a lease
+//! running out, any change to its key, a flush or a database swap), and refused by a
+//! timer when its wait runs out. Waiters are answered only in timers, never inside a
+//! command (`serve_slots` says why). Waiters of one key are kept in arrival order: a timed one is served in that
 //! order by construction (each charged the key before the next), slot waiters are given
 //! slots in that order.
 //!
@@ -60,7 +61,7 @@ pub trait Held {
     fn serve(&mut self, ctx: &Ctx, now_micros: i64, waited_ms: i64) -> Serve;
     /// Its answer when it stops waiting unserved: its wait ran out, or CLIENT UNBLOCK.
     fn refusal(&self, ctx: &Ctx, now_micros: i64, waited_ms: i64) -> Reply;
-    /// Gives back what it holds, its answer never delivered: per key (an index into
+    /// Gives back what it holds, its answer never written: per key (an index into
     /// `keys`), what the waiters behind it there are given (`Held::sooner`'s amount).
     fn give_back(&mut self, ctx: &Ctx, now_micros: i64) -> Vec<(usize, f64)>;
     /// Waiters ahead of it on its key `key` gave back `amount` (tokens, or a throttle's
@@ -87,8 +88,6 @@ pub enum NoRoom {
 
 struct Waiter {
     client: *mut raw::RedisModuleBlockedClient,
-    /// Its client's id, for the client-change event that says it is gone.
-    client_id: u64,
     db: c_int,
     /// When it arrived, by the monotonic clock: how long it waited.
     arrived_monotonic: i64,
@@ -133,23 +132,14 @@ struct Registry {
     waiters: HashMap<u64, Waiter>,
     /// Waiters by their handle, until the server frees it.
     by_client: HashMap<usize, u64>,
-    /// Waiters whose answer is in their client's output (client id, waiter), until the
-    /// turn ends (`Event::Flushed`) or the client is freed first (`Event::Gone`): the
-    /// answers of one turn, a few.
-    sent: Vec<(u64, u64)>,
-    /// Whether the module is subscribed to the end of each turn and to clients leaving:
-    /// only while answers are in flight.
-    flushing: bool,
-    /// Whether a timer will unsubscribe from them.
-    quiet_flush_timer: bool,
     /// Each key's waiting waiters, in arrival order.
     queues: HashMap<KeyName, VecDeque<u64>>,
     /// Keys whose slot waiters are to be looked at, by the timer that will and when
     /// (Unix microseconds).
     checks: HashMap<KeyName, (raw::RedisModuleTimerID, i64)>,
-    /// Give-backs the next `on_give_backs` makes, and whether its timer runs.
+    /// Give-backs the next `on_give_backs` makes, and its timer while one is set.
     give_backs: Vec<GiveBack>,
-    give_back_timer: bool,
+    give_back_timer: Option<raw::RedisModuleTimerID>,
     shares: Shares<RequestName, Refund>,
     /// The server's wall clock less the monotonic one at the last cron run: a step back
     /// of the wall clock shows as a fall.
@@ -195,6 +185,24 @@ pub fn room(ctx: &Ctx) -> Result<(), NoRoom> {
     Ok(())
 }
 
+/// How many slot waiters wait on `key` (the calling client's database): the free slots
+/// they are owed before a newcomer.
+pub fn slot_waiters(ctx: &Ctx, key: &[u8]) -> usize {
+    with(|r| {
+        let Some(queue) = r.queues.get(&(selected_db(ctx), key.to_vec())) else {
+            return 0;
+        };
+        queue
+            .iter()
+            .filter(|seq| {
+                r.waiters
+                    .get(seq)
+                    .is_some_and(|w| !w.timed && w.stage == Stage::Waiting)
+            })
+            .count()
+    })
+}
+
 /// Whether `key` (of the calling client's database) has waiters.
 pub fn has_waiters(ctx: &Ctx, key: &[u8]) -> bool {
     with(|r| !r.queues.is_empty() && r.queues.contains_key(&(selected_db(ctx), key.to_vec())))
@@ -230,8 +238,6 @@ pub fn hold(
     };
     // SAFETY: the client just blocked.
     unsafe { raw::RedisModule_SetDisconnectCallback.unwrap()(client, Some(on_disconnect)) };
-    // SAFETY: a live command context.
-    let client_id = unsafe { raw::RedisModule_GetClientId.unwrap()(ctx.raw()) };
     let db = selected_db(ctx);
     if !timed {
         watch_keys(ctx);
@@ -262,7 +268,6 @@ pub fn hold(
             seq,
             Waiter {
                 client,
-                client_id,
                 db,
                 arrived_monotonic,
                 timer,
@@ -382,10 +387,10 @@ fn settle(r: &mut Registry, seq: u64, charge: Charge) -> Option<GiveBack> {
 /// Runs `event` on waiter `seq` (found by its number or its client), performing its
 /// step. `answer`: the answer a serve or refusal gives it; `ctx`: the callback's.
 fn on_event(ctx: &Ctx, seq: u64, event: Event, answer: Option<Reply>) {
-    let Some((before, client, client_id, timer)) = with(|r| {
+    let Some((before, client, timer)) = with(|r| {
         r.waiters
             .get(&seq)
-            .map(|waiter| (waiter.stage, waiter.client, waiter.client_id, waiter.timer))
+            .map(|waiter| (waiter.stage, waiter.client, waiter.timer))
     }) else {
         return;
     };
@@ -429,7 +434,7 @@ fn on_event(ctx: &Ctx, seq: u64, event: Event, answer: Option<Reply>) {
     });
     match (event, step.charge) {
         (Event::Disconnected | Event::Unblocked, _) => WAITS.given_back(),
-        (Event::Free | Event::Gone, Some(Charge::Released)) => WAITS.given_back(),
+        (Event::Free, Some(Charge::Released)) => WAITS.given_back(),
         _ => {}
     }
     if let Some(give_back) = give_back {
@@ -438,22 +443,14 @@ fn on_event(ctx: &Ctx, seq: u64, event: Event, answer: Option<Reply>) {
     // The server frees the handle after a bare unblock and after the free callback:
     // another client blocked later may get its address.
     let handle_freed = step.unblock == Some(Unblock::Bare) || event == Event::Free;
-    let sent = matches!(step.stage, Stage::Sent { .. });
     with(|r| {
         if handle_freed && r.by_client.get(&(client as usize)) == Some(&seq) {
             r.by_client.remove(&(client as usize));
         }
-        if sent {
-            r.sent.push((client_id, seq));
-        }
         if step.stage == Stage::Ended {
             r.waiters.remove(&seq);
-            r.sent.retain(|&(_, other)| other != seq);
         }
     });
-    if sent {
-        watch_flushes(ctx);
-    }
     match step.unblock {
         // SAFETY: a client this module blocked and never unblocked (the step says so);
         // its answer is the waiter's number, never dereferenced, freed by on_free.
@@ -529,10 +526,13 @@ fn select_db(ctx: &Ctx, db: c_int) {
 
 /// Gives slots to the slot waiters of `key` (the calling client's database), first come
 /// first served, while they fit, at `now` (Unix microseconds); then looks again when a
-/// lease is due to run out. Called after a release, when a lease runs out, on any change
-/// to the key, and before a new QAG.LEASE decides (so it never takes a slot ahead of a
-/// waiter). In a command, or in a timer that checked writes are allowed.
-pub fn serve_slots(ctx: &Ctx, key: &[u8], now: i64) {
+/// lease is due to run out. Only in a timer (one that checked writes are allowed),
+/// never inside a command: a client answered inside a command can meet a CLIENT
+/// UNBLOCK or a kill later in the same turn (in one pipeline or one MULTI), which the
+/// server handles wrongly for a client a module unblocked (Redis 7.0 leaves it no
+/// reply, 7.2.0 to 7.2.6 fail an assertion). A timer runs after the turn's commands,
+/// and the server answers what it unblocked before it reads another command.
+fn serve_slots(ctx: &Ctx, key: &[u8], now: i64) {
     let db = selected_db(ctx);
     let name = (db, key.to_vec());
     loop {
@@ -698,6 +698,9 @@ const QUIET_CHECK_MS: i64 = 1000;
 /// How soon a timer that may not write now (writes paused) looks again.
 const PAUSED_RETRY_MICROS: i64 = 10_000;
 
+/// How soon a key's slot waiters are looked at again while the cluster is down.
+const CLUSTER_DOWN_RETRY_MICROS: i64 = 100_000;
+
 /// Subscribes to [`SLOT_EVENTS`] when the first slot waiter blocks. Where the server can
 /// unsubscribe (Redis 8 of those tested), a timer unsubscribes once none is left;
 /// elsewhere (Redis 7.0, Valkey 8 and 9) the subscription stays until the module unloads.
@@ -770,8 +773,9 @@ extern "C" fn on_check(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {
             Writable::Now => {
                 select_db(&ctx, name.0);
                 match served_here(&ctx, &name.1) {
-                    true => serve_slots(&ctx, &name.1, clock()),
-                    false => send_elsewhere(&ctx, &name),
+                    Served::Here => serve_slots(&ctx, &name.1, clock()),
+                    Served::Elsewhere => send_elsewhere(&ctx, &name),
+                    Served::Down => check_at(&ctx, *name, CLUSTER_DOWN_RETRY_MICROS),
                 }
             }
         }
@@ -783,27 +787,41 @@ extern "C" fn on_check(ctx: *mut raw::RedisModuleCtx, data: *mut c_void) {
 const TRY_AGAIN: &str =
     "TRYAGAIN the key's slot moved to another node while the call waited; send it again";
 
-/// Whether this node serves `key` (the context's database) now. In a cluster, not a key
-/// whose slot another node serves, nor one gone from a slot being migrated away (its
-/// deletion by MIGRATE wakes its waiters): the server's own routing check, as it makes
-/// it for RM_Call. A timer's question only, never a command's: a command was routed.
-fn served_here(ctx: &Ctx, key: &[u8]) -> bool {
+/// Where `key` (the context's database) is served now.
+enum Served {
+    Here,
+    /// In a cluster, on another node: its slot is served there, or is being migrated
+    /// there and the key is gone from here (MIGRATE's deletion wakes its waiters).
+    Elsewhere,
+    /// Nowhere: the cluster is down; looked at again a moment later.
+    Down,
+}
+
+/// Where `key` is served: the server's own routing check, as it makes it for RM_Call
+/// (`EPERM`: another node's; `ENETDOWN`, `EROFS`: the cluster is down). A timer's
+/// question only, never a command's: a command was routed already.
+fn served_here(ctx: &Ctx, key: &[u8]) -> Served {
     // SAFETY: a live context.
     let flags = unsafe { raw::RedisModule_GetContextFlags.unwrap()(ctx.raw()) } as u32;
     if flags & raw::REDISMODULE_CTX_FLAGS_CLUSTER == 0 {
-        return true;
+        return Served::Here;
     }
     let name = OwnedString::new(ctx, key);
     // SAFETY: checked present at load; a live context and string; the reply freed here.
-    unsafe {
-        let reply =
-            raw::RedisModule_Call.unwrap()(ctx.raw(), c"EXISTS".as_ptr(), c"s".as_ptr(), name.raw);
-        if reply.is_null() {
-            return false;
-        }
-        raw::RedisModule_FreeCallReply.unwrap()(reply);
+    let reply = unsafe {
+        raw::RedisModule_Call.unwrap()(ctx.raw(), c"EXISTS".as_ptr(), c"s".as_ptr(), name.raw)
+    };
+    if !reply.is_null() {
+        // SAFETY: a reply RM_Call made, freed once.
+        unsafe { raw::RedisModule_FreeCallReply.unwrap()(reply) };
+        return Served::Here;
     }
-    true
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::EPERM) => Served::Elsewhere,
+        Some(libc::ENETDOWN | libc::EROFS) => Served::Down,
+        // Anything else is no question of routing.
+        _ => Served::Here,
+    }
 }
 
 /// Answers every slot waiter of `name` TRYAGAIN: its key is served elsewhere now.
@@ -876,111 +894,22 @@ extern "C" fn on_disconnect(
     });
 }
 
-/// Subscribes to the end of each turn and to clients leaving, while answers are in
-/// flight: each subscribed event costs the server a callback, so only then.
-fn watch_flushes(ctx: &Ctx) {
-    if with(|r| std::mem::replace(&mut r.flushing, true)) {
-        return;
-    }
-    subscribe_flushes(ctx, true);
-}
-
-fn subscribe_flushes(ctx: &Ctx, on: bool) {
-    let subscriptions: [(u64, raw::RedisModuleEventCallback); 2] = [
-        (raw::REDISMODULE_EVENT_EVENTLOOP, Some(on_turn)),
-        (raw::REDISMODULE_EVENT_CLIENT_CHANGE, Some(on_client_change)),
-    ];
-    for (id, callback) in subscriptions {
-        let event = raw::RedisModuleEvent { id, dataver: 1 };
-        // SAFETY: checked present at load; a context of this module's. A null callback
-        // unsubscribes.
-        unsafe {
-            raw::RedisModule_SubscribeToServerEvent.unwrap()(
-                ctx.raw(),
-                event,
-                if on { callback } else { None },
-            )
-        };
-    }
-}
-
-/// The end of a turn (afterSleep: the server slept and woke): every answer written in
-/// the turn before was sent to a client still there.
-extern "C" fn on_turn(
-    ctx: *mut raw::RedisModuleCtx,
-    _event: raw::RedisModuleEvent,
-    subevent: u64,
-    _data: *mut c_void,
-) {
-    if subevent != raw::REDISMODULE_SUBEVENT_EVENTLOOP_AFTER_SLEEP {
-        return;
-    }
-    let _ = guarded(|| {
-        let ctx = Ctx(ctx);
-        let sent: Vec<u64> = with(|r| r.sent.iter().map(|&(_, seq)| seq).collect());
-        for seq in sent {
-            on_event(&ctx, seq, Event::Flushed, None);
-        }
-        // Unsubscribed from a timer, never inside the server's walk of its subscribers.
-        if with(|r| r.sent.is_empty() && !std::mem::replace(&mut r.quiet_flush_timer, true)) {
-            start_timer(&ctx, 0, on_quiet_flush, 0);
-        }
-    });
-}
-
-extern "C" fn on_quiet_flush(ctx: *mut raw::RedisModuleCtx, _data: *mut c_void) {
-    let _ = guarded(|| {
-        let ctx = Ctx(ctx);
-        let quiet = with(|r| {
-            r.quiet_flush_timer = false;
-            let quiet = r.sent.is_empty() && r.flushing;
-            if quiet {
-                r.flushing = false;
-            }
-            quiet
-        });
-        if quiet {
-            subscribe_flushes(&ctx, false);
-        }
-    });
-}
-
-/// A client left: one whose answer was written in this turn never gets it.
-extern "C" fn on_client_change(
-    ctx: *mut raw::RedisModuleCtx,
-    _event: raw::RedisModuleEvent,
-    subevent: u64,
-    data: *mut c_void,
-) {
-    if subevent != raw::REDISMODULE_SUBEVENT_CLIENT_CHANGE_DISCONNECTED || data.is_null() {
-        return;
-    }
-    let _ = guarded(|| {
-        // SAFETY: the client-change event's data, live for the callback.
-        let id = unsafe { (*data.cast::<raw::RedisModuleClientInfo>()).id };
-        let gone: Vec<u64> = with(|r| {
-            r.sent
-                .iter()
-                .filter(|&&(client, _)| client == id)
-                .map(|&(_, seq)| seq)
-                .collect()
-        });
-        for seq in gone {
-            on_event(&Ctx(ctx), seq, Event::Gone, None);
-        }
-    });
-}
-
 /// Queues a give-back for the next turn of the event loop (`ctx`: any context of the
 /// module's, a timer needs no more).
 fn give_back_later(ctx: &Ctx, give_back: GiveBack) {
     let start = with(|r| {
         r.give_backs.push(give_back);
-        !std::mem::replace(&mut r.give_back_timer, true)
+        r.give_back_timer.is_none()
     });
     if start {
-        start_timer(ctx, 0, on_give_backs, 0);
+        give_backs_in(ctx, 0);
     }
+}
+
+/// Sets the give-backs' one timer.
+fn give_backs_in(ctx: &Ctx, in_micros: i64) {
+    let timer = start_timer(ctx, in_micros, on_give_backs, 0);
+    with(|r| r.give_back_timer = Some(timer));
 }
 
 /// The wall clock, Unix microseconds: outside a command, the server's cached time may be
@@ -1078,8 +1007,9 @@ fn set_timers_again(ctx: &Ctx, step: i64) {
     for name in due {
         check_at(ctx, name, 0);
     }
-    if with(|r| r.give_back_timer) {
-        start_timer(ctx, 0, on_give_backs, 0);
+    if let Some(timer) = with(|r| r.give_back_timer) {
+        stop_timer(ctx, timer);
+        give_backs_in(ctx, 0);
     }
 }
 
@@ -1088,11 +1018,11 @@ extern "C" fn on_give_backs(ctx: *mut raw::RedisModuleCtx, _data: *mut c_void) {
         let ctx = Ctx(ctx);
         let writable = writable(&ctx);
         if writable == Writable::Later {
-            start_timer(&ctx, PAUSED_RETRY_MICROS, on_give_backs, 0);
+            give_backs_in(&ctx, PAUSED_RETRY_MICROS);
             return;
         }
         let refunds: Vec<Refund> = with(|r| {
-            r.give_back_timer = false;
+            r.give_back_timer = None;
             let give_backs = std::mem::take(&mut r.give_backs);
             give_backs
                 .into_iter()
