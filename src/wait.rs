@@ -189,6 +189,9 @@ pub fn room(ctx: &Ctx) -> Result<(), NoRoom> {
 /// they are owed before a newcomer.
 pub fn slot_waiters(ctx: &Ctx, key: &[u8]) -> usize {
     with(|r| {
+        if r.queues.is_empty() {
+            return 0;
+        }
         let Some(queue) = r.queues.get(&(selected_db(ctx), key.to_vec())) else {
             return 0;
         };
