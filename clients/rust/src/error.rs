@@ -165,6 +165,41 @@ pub(crate) fn classify(error: &RedisError) -> Failure {
     }
 }
 
+/// What a probe's PING that failed says of its node: an outage's reply or no reply is
+/// no answer, and neither is a failure of this side (a name that is no address, a
+/// connection refused): only the server's own reply ends a back-off.
+pub(crate) fn probe_failed(error: &RedisError) -> Result<(), Error> {
+    match classify(error) {
+        Failure::Error(error) if error.is_unavailable() => Err(error),
+        _ if matches!(
+            error.kind(),
+            ErrorKind::Server(_) | ErrorKind::Extension | ErrorKind::AuthenticationFailed
+        ) =>
+        {
+            Ok(())
+        }
+        _ => Err(Error::Unavailable(Reason::from_redis(error))),
+    }
+}
+
+/// `url` as an error or a log line may print it: the user-info's password (all of it
+/// when it has no `:`, since a redis URL may carry a password alone there) as `***`.
+/// Everything before the last `@` is user-info, even where a raw `/` or `?` in a
+/// password would end it for a URL parser: the strict side.
+pub(crate) fn redacted(url: &str) -> String {
+    let Some(at) = url.rfind('@') else {
+        return url.to_owned();
+    };
+    let start = url.find("://").map_or(0, |scheme| scheme + 3).min(at);
+    let user = url[start..at].split_once(':').map_or("", |(user, _)| user);
+    let secret = if url[start..at].contains(':') {
+        ":***"
+    } else {
+        "***"
+    };
+    format!("{}{user}{secret}{}", &url[..start], &url[at..])
+}
+
 /// Redis and Valkey answer `ERR unknown command 'qag.take', with args beginning with: ...`.
 fn is_unknown_command(text: &str) -> bool {
     text.to_ascii_lowercase().contains("unknown command")
@@ -179,6 +214,28 @@ mod tests {
             .expect("an error reply parses")
             .extract_error()
             .expect_err("it is an error")
+    }
+
+    #[test]
+    fn addresses_are_printed_without_their_secrets() {
+        for (url, printed) in [
+            (
+                "redis://:hunter2@127.0.0.1:notaport/",
+                "redis://:***@127.0.0.1:notaport/",
+            ),
+            (
+                "rediss://alice:hunter2@h:6379/0",
+                "rediss://alice:***@h:6379/0",
+            ),
+            ("redis://hunter2@h:6379", "redis://***@h:6379"),
+            ("redis://a:b/c@d?e@h:1", "redis://a:***@h:1"),
+            ("redis://h:6379/0", "redis://h:6379/0"),
+            ("h:6379", "h:6379"),
+            ("alice:hunter2@h", "alice:***@h"),
+            ("redis://@h", "redis://***@h"),
+        ] {
+            assert_eq!(redacted(url), printed, "{url}");
+        }
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! `redis::aio::ConnectionLike`, one file per command family.
 
 pub mod answers;
+mod bounded;
 mod buckets;
 mod cluster;
 pub mod decision;

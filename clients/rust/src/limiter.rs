@@ -16,7 +16,7 @@ use redis::{cmd, Cmd, FromRedisValue, Value};
 
 use crate::cluster::{common_slot, parse_slots, Kind, Topology};
 use crate::decision::AnsweredBy;
-use crate::error::{classify, demoted, Error, Failure};
+use crate::error::{classify, demoted, probe_failed, redacted, Error, Failure};
 use crate::ids::{check_id, new_request_id};
 use crate::local::LocalState;
 use crate::mutex::lock;
@@ -401,8 +401,9 @@ impl Limiter<ConnectionManager> {
     /// a gateway starts while Redis is down. Connecting and reconnecting are bounded by
     /// the deadline, like every call. Call it inside a tokio runtime.
     pub async fn connect(url: &str, options: Options) -> Result<Limiter<ConnectionManager>, Error> {
-        let client = redis::Client::open(url)
-            .map_err(|error| Error::InvalidArgument(format!("redis URL {url:?}: {error}")))?;
+        let client = redis::Client::open(url).map_err(|error| {
+            Error::InvalidArgument(format!("redis URL {:?}: {error}", redacted(url)))
+        })?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.deadline))
             .set_response_timeout(Some(options.deadline))
@@ -436,8 +437,10 @@ impl Limiter<ClusterNodes> {
         seeds: &[&str],
         options: Options,
     ) -> Result<Limiter<ClusterNodes>, Error> {
-        let nodes = ClusterNodes::new(seeds.to_vec(), options.deadline)
-            .map_err(|error| Error::InvalidArgument(format!("cluster seeds {seeds:?}: {error}")))?;
+        let nodes = ClusterNodes::new(seeds.to_vec(), options.deadline).map_err(|error| {
+            let seeds: Vec<String> = seeds.iter().map(|seed| redacted(seed)).collect();
+            Error::InvalidArgument(format!("cluster seeds {seeds:?}: {error}"))
+        })?;
         let topology = nodes.topology();
         let address = nodes.address();
         let mut link = Link::new(nodes);
@@ -738,9 +741,10 @@ where
     }
 
     /// Asks this node whether it answers (PING), in a task of its own, with up to the
-    /// back-off (at most 2 s, at least the deadline) counted from its own start: an
-    /// answer (any reply, an error reply too) ends the back-off and drops the local
-    /// counts; an outage puts the next probe twice as far off.
+    /// back-off (at most 2 s, at least the deadline) counted from its own start: the
+    /// server's answer (any reply, an error reply too, but an outage's) ends the back-off
+    /// and drops the local counts; anything else (no reply, a failure on this side)
+    /// puts the next probe twice as far off.
     fn start_probe(&self) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             lock(&self.node.outage).probe_abandoned();
@@ -762,10 +766,7 @@ where
             let ping = (link.ping)(link.con().0, node.name.clone());
             let answer = match tokio::time::timeout(within, ping).await {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(error)) => match classify(&error) {
-                    Failure::Error(error) if error.is_unavailable() => Err(error),
-                    _ => Ok(()),
-                },
+                Ok(Err(error)) => probe_failed(&error),
                 Err(_) => Err(Error::Timeout),
             };
             turn.probe = false;
@@ -1099,7 +1100,9 @@ where
             (Some(_), Some(waits)) => {
                 let queue = self.options.deadline;
                 waits
-                    .send(&self.node.name, queue, |con| send(WaitSend::Own(con)))
+                    .send(&self.node.name, queue, replayable, |con| {
+                        send(WaitSend::Own(con))
+                    })
                     .await
             }
             _ => {

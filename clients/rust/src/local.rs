@@ -12,12 +12,14 @@
 
 use std::collections::{HashMap, HashSet};
 
+use crate::bounded::BoundedMap;
 use qag_core::bucket::{self, Limit, State, Verdict};
 use qag_core::quota::{self, Usage};
 use qag_core::window::{self, Clock, Counters};
 
-/// Keys tracked per kind before stale ones are dropped.
-const PRUNE_ABOVE: usize = 100_000;
+/// Keys remembered per kind (Redis's last words, local counts): past it the oldest go,
+/// and a key that goes reads as never seen (see [`BoundedMap`]).
+pub const KEYS_KEPT: usize = 100_000;
 
 /// A process's part of a limit: `max(1, floor(limit × share))`.
 pub fn share_of(limit: u64, share: f64) -> u64 {
@@ -26,7 +28,8 @@ pub fn share_of(limit: u64, share: f64) -> u64 {
 
 /// Everything one limiter counts locally. Buckets, leases and windows live through a
 /// back-off and are dropped when Redis answers again; the quota counts seen from Redis
-/// are kept (they are what local quota decisions start from).
+/// are kept (they are what local quota decisions start from). Each kind remembers at
+/// most [`KEYS_KEPT`] keys, and no call looks at more than a few of them.
 #[derive(Default)]
 pub struct LocalState {
     pub buckets: LocalBuckets,
@@ -49,26 +52,35 @@ impl LocalState {
 /// Buckets counted in this process (their limits this process's share). One starts from
 /// Redis's last word on it ([`LocalBuckets::saw`]): that share of the tokens it said
 /// were left, at the time it said so; else full.
-#[derive(Default)]
 pub struct LocalBuckets {
-    buckets: HashMap<String, (State, Limit)>,
+    buckets: BoundedMap<String, (State, Limit)>,
     /// Redis's last word on each bucket: kept through outages, never cleared.
-    seen: HashMap<String, (State, Limit)>,
+    seen: BoundedMap<String, (State, Limit)>,
+}
+
+impl Default for LocalBuckets {
+    fn default() -> LocalBuckets {
+        LocalBuckets {
+            buckets: BoundedMap::new(KEYS_KEPT),
+            seen: BoundedMap::new(KEYS_KEPT),
+        }
+    }
+}
+
+/// A bucket full again says nothing a missing one would not.
+fn refilled_by(now: f64) -> impl Fn(&String, &(State, Limit)) -> bool {
+    move |_, (state, limit)| refilled(state, limit, now)
 }
 
 impl LocalBuckets {
     /// Redis answered that `left` whole tokens of `limit` are left at `now` (Unix s).
     pub fn saw(&mut self, key: &str, limit: Limit, left: u64, now: f64) {
-        if self.seen.len() >= PRUNE_ABOVE && !self.seen.contains_key(key) {
-            // A bucket full again says nothing a fresh one would not.
-            self.seen
-                .retain(|_, (state, limit)| !refilled(state, limit, now));
-        }
         let state = State {
             tokens: left as f64,
             ts: now,
         };
-        self.seen.insert(key.to_owned(), (state, limit));
+        self.seen
+            .insert(key.to_owned(), (state, limit), refilled_by(now));
     }
 
     /// The bucket as counted here, else as Redis last left it (scaled to `limit`, this
@@ -88,10 +100,8 @@ impl LocalBuckets {
     pub fn take(&mut self, key: &str, limit: Limit, cost: i64, now: f64) -> Verdict {
         let stored = self.stored(key, limit);
         let outcome = bucket::take(limit, cost, stored, now);
-        if self.buckets.len() >= PRUNE_ABOVE && !self.buckets.contains_key(key) {
-            self.prune(now);
-        }
-        self.buckets.insert(key.to_owned(), (outcome.state, limit));
+        self.buckets
+            .insert(key.to_owned(), (outcome.state, limit), refilled_by(now));
         outcome.verdict
     }
 
@@ -101,7 +111,8 @@ impl LocalBuckets {
         let stored = self.stored(key, limit);
         let refund = bucket::refund(limit, amount, stored, now);
         if let Some(state) = refund.state {
-            self.buckets.insert(key.to_owned(), (state, limit));
+            self.buckets
+                .insert(key.to_owned(), (state, limit), refilled_by(now));
         }
         refund.tokens_left
     }
@@ -122,13 +133,7 @@ impl LocalBuckets {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.buckets.is_empty()
-    }
-
-    /// Drops the buckets that have refilled completely: they read as full when missing.
-    fn prune(&mut self, now: f64) {
-        self.buckets
-            .retain(|_, (state, limit)| !refilled(state, limit, now));
+        self.buckets.len() == 0
     }
 }
 
@@ -140,23 +145,32 @@ fn refilled(state: &State, limit: &Limit, now: f64) -> bool {
 /// that holds it (a guard from an earlier outage frees nothing of a later one), and an id
 /// asking again holds one slot, as the module counts it. Beside them, this process's
 /// share of those Redis last said were live ([`LocalLeases::saw`]) hold slots until they
-/// would have run out.
-#[derive(Default)]
+/// would have run out. Only keys with a lease held here are kept (a refusal keeps
+/// nothing): they are as many as the calls in flight.
 pub struct LocalLeases {
     live: HashMap<String, HashSet<String>>,
     /// key -> (live, until: Unix seconds), Redis's last word.
-    seen: HashMap<String, (u64, f64)>,
+    seen: BoundedMap<String, (u64, f64)>,
+}
+
+impl Default for LocalLeases {
+    fn default() -> LocalLeases {
+        LocalLeases {
+            live: HashMap::new(),
+            seen: BoundedMap::new(KEYS_KEPT),
+        }
+    }
 }
 
 impl LocalLeases {
     /// Redis answered that `live` leases are held at `now`, each for `ttl_ms` at most
     /// from then.
     pub fn saw(&mut self, key: &str, live: u64, ttl_ms: u64, now: f64) {
-        if self.seen.len() >= PRUNE_ABOVE && !self.seen.contains_key(key) {
-            self.seen.retain(|_, (_, until)| *until > now);
-        }
-        self.seen
-            .insert(key.to_owned(), (live, now + ttl_ms as f64 / 1000.0));
+        self.seen.insert(
+            key.to_owned(),
+            (live, now + ttl_ms as f64 / 1000.0),
+            |_, (_, until)| *until <= now,
+        );
     }
 
     /// This process's `share` of the leases Redis last said were live, while they may
@@ -179,12 +193,14 @@ impl LocalLeases {
         now: f64,
     ) -> Result<(), u64> {
         let taken = self.taken_before(key, share, now);
-        let ids = self.live.entry(key.to_owned()).or_default();
-        if ids.contains(id) || taken + (ids.len() as u64) < max {
+        let held = self.live.get(key);
+        let own = held.map_or(0, HashSet::len) as u64;
+        if held.is_some_and(|ids| ids.contains(id)) || taken + own < max {
+            let ids = self.live.entry(key.to_owned()).or_default();
             ids.insert(id.to_owned());
             Ok(())
         } else {
-            Err(taken + ids.len() as u64)
+            Err(taken + own)
         }
     }
 
@@ -225,9 +241,16 @@ pub struct LocalQuota {
     pub resets_at: i64,
 }
 
-#[derive(Default)]
 pub struct LocalQuotas {
-    keys: HashMap<String, QuotaCounts>,
+    keys: BoundedMap<String, QuotaCounts>,
+}
+
+impl Default for LocalQuotas {
+    fn default() -> LocalQuotas {
+        LocalQuotas {
+            keys: BoundedMap::new(KEYS_KEPT),
+        }
+    }
 }
 
 impl LocalQuotas {
@@ -241,10 +264,7 @@ impl LocalQuotas {
         resets_at: i64,
         now: i64,
     ) {
-        if self.keys.len() >= PRUNE_ABOVE && !self.keys.contains_key(key) {
-            self.keys.retain(|_, counts| counts.resets_at > now);
-        }
-        let counts = self.current(key, resets_at);
+        let counts = self.current(key, resets_at, now);
         counts.seen = Usage {
             calls: calls.unwrap_or(counts.seen.calls),
             rows: rows.unwrap_or(counts.seen.rows),
@@ -254,8 +274,12 @@ impl LocalQuotas {
 
     /// The counts of the period ending at `resets_at` (the period of `now`): nothing
     /// seen or added when what is kept belongs to an earlier period.
-    fn current(&mut self, key: &str, resets_at: i64) -> &mut QuotaCounts {
-        let counts = self.keys.entry(key.to_owned()).or_default();
+    fn current(&mut self, key: &str, resets_at: i64, now: i64) -> &mut QuotaCounts {
+        let counts = self
+            .keys
+            .entry(key.to_owned(), QuotaCounts::default, |_, counts| {
+                counts.resets_at <= now
+            });
         if counts.resets_at != resets_at {
             *counts = QuotaCounts {
                 resets_at,
@@ -268,13 +292,18 @@ impl LocalQuotas {
     /// Whether one more call fits: this process's adds since the last count seen stay
     /// below its share of what that count left, `floor((limit − seen) × share)`.
     pub fn check(
-        &mut self,
+        &self,
         key: &str,
         limits: quota::Limits,
         resets_at: i64,
         share: f64,
     ) -> LocalQuota {
-        let counts = *self.current(key, resets_at);
+        let counts = self
+            .keys
+            .get(key)
+            .filter(|counts| counts.resets_at == resets_at)
+            .copied()
+            .unwrap_or_default();
         let allowance = |limit: Option<i64>, seen: i64| {
             limit.map(|limit| seen + ((limit - seen).max(0) as f64 * share).floor() as i64)
         };
@@ -296,9 +325,10 @@ impl LocalQuotas {
         }
     }
 
-    /// Adds a call's counts locally (or, for a seed, raises the count seen).
-    pub fn add(&mut self, key: &str, counts: Usage, seed: bool, resets_at: i64) -> Usage {
-        let kept = self.current(key, resets_at);
+    /// Adds a call's counts locally (or, for a seed, raises the count seen), `now` in
+    /// Unix seconds.
+    pub fn add(&mut self, key: &str, counts: Usage, seed: bool, resets_at: i64, now: i64) -> Usage {
+        let kept = self.current(key, resets_at, now);
         if seed {
             kept.seen = quota::seed(kept.seen, counts);
         } else {
@@ -350,12 +380,26 @@ impl WindowCounts {
 /// Sliding windows counted in this process. A scope's window starts from what Redis last
 /// said was used of it ([`LocalWindows::saw`]: its limit less the least left over the
 /// chain, which is at most what it had left; this process's share of that).
-#[derive(Default)]
 pub struct LocalWindows {
-    scopes: HashMap<(String, i64), WindowCounts>,
+    scopes: BoundedMap<(String, i64), WindowCounts>,
     /// (key, window length) -> (window, requests used, tokens used: this process's share),
     /// Redis's last word.
-    seen: HashMap<(String, i64), (i64, i64, i64)>,
+    seen: BoundedMap<(String, i64), (i64, i64, i64)>,
+}
+
+impl Default for LocalWindows {
+    fn default() -> LocalWindows {
+        LocalWindows {
+            scopes: BoundedMap::new(KEYS_KEPT),
+            seen: BoundedMap::new(KEYS_KEPT),
+        }
+    }
+}
+
+/// The window `now_micros` is in, for a scope of `window_micros`: each entry is stale by
+/// its own window's length, whatever the call's.
+fn window_at(now_micros: i64, window_micros: i64) -> i64 {
+    now_micros.div_euclid(window_micros.max(1))
 }
 
 impl LocalWindows {
@@ -371,17 +415,18 @@ impl LocalWindows {
         share: f64,
     ) {
         let window = clock.window();
-        if self.seen.len() >= PRUNE_ABOVE {
-            self.seen.retain(|_, (seen, _, _)| *seen >= window);
-        }
+        let now = clock.now_micros;
         let used = |limit: u64, left: Option<u64>| match left {
             Some(left) if limit > 0 => (limit.saturating_sub(left) as f64 * share).ceil() as i64,
             _ => 0,
         };
         for (key, rpm, tpm) in scopes {
             let counts = (window, used(*rpm, requests_left), used(*tpm, tokens_left));
-            self.seen
-                .insert(((*key).to_owned(), clock.window_micros), counts);
+            self.seen.insert(
+                ((*key).to_owned(), clock.window_micros),
+                counts,
+                |(_, length), (seen, _, _)| *seen < window_at(now, *length),
+            );
         }
     }
 
@@ -399,10 +444,6 @@ impl LocalWindows {
         clock: &Clock,
         reserve: i64,
     ) -> window::Admission {
-        if self.scopes.len() >= PRUNE_ABOVE {
-            let current = clock.window();
-            self.scopes.retain(|_, counts| counts.window >= current - 1);
-        }
         let counted: Vec<(window::Limits, Counters)> = scopes
             .iter()
             .map(|(key, limits)| (*limits, *self.scope(key, clock)))
@@ -439,17 +480,26 @@ impl LocalWindows {
     fn scope(&mut self, key: &str, clock: &Clock) -> &mut Counters {
         let name = (key.to_owned(), clock.window_micros);
         let seen = self.seen.get(&name).copied();
-        let counts = self.scopes.entry(name).or_insert_with(|| match seen {
-            Some((window, requests, tokens)) if window == clock.window() => WindowCounts {
-                window,
-                counters: Counters {
-                    requests,
-                    tokens,
-                    ..Counters::default()
+        let now = clock.now_micros;
+        // A scope's counts matter until the end of its next window (its previous one).
+        let stale = move |(_, length): &(String, i64), counts: &WindowCounts| {
+            counts.window < window_at(now, *length) - 1
+        };
+        let counts = self.scopes.entry(
+            name,
+            || match seen {
+                Some((window, requests, tokens)) if window == clock.window() => WindowCounts {
+                    window,
+                    counters: Counters {
+                        requests,
+                        tokens,
+                        ..Counters::default()
+                    },
                 },
+                _ => WindowCounts::default(),
             },
-            _ => WindowCounts::default(),
-        });
+            stale,
+        );
         counts.at(clock)
     }
 }
@@ -558,6 +608,7 @@ mod tests {
         let mut leases = LocalLeases::default();
         leases.saw("l", 4, 30_000, now);
         assert_eq!(leases.acquire("l", "new", 4, 1.0, now + 1.0), Err(4));
+        assert!(leases.live.is_empty(), "a refusal keeps nothing");
         assert_eq!(leases.live("l", 1.0, now + 1.0), 4);
         assert_eq!(
             leases.acquire("l", "new", 4, 1.0, now + 30.0),
@@ -588,7 +639,7 @@ mod tests {
         for left in [2, 1, 0] {
             let check = quotas.check("q", CALLS_10, ends, 1.0);
             assert!(check.allowed);
-            let used = quotas.add("q", Usage { calls: 1, rows: 5 }, false, ends);
+            let used = quotas.add("q", Usage { calls: 1, rows: 5 }, false, ends, 1_000);
             assert_eq!(used.calls, 10 - left);
         }
         let check = quotas.check("q", CALLS_10, ends, 1.0);
@@ -598,7 +649,7 @@ mod tests {
         quotas.forget_adds();
         let mut allowed = 0;
         while quotas.check("q", CALLS_10, ends, 0.5).allowed {
-            quotas.add("q", Usage { calls: 1, rows: 0 }, false, ends);
+            quotas.add("q", Usage { calls: 1, rows: 0 }, false, ends, 1_000);
             allowed += 1;
         }
         assert_eq!(allowed, 1);
@@ -606,15 +657,15 @@ mod tests {
         let next = quotas.check("q", CALLS_10, ends + 86_400, 1.0);
         assert_eq!(next.calls_remaining, Some(10));
         // A seed raises the count seen, never lowers it.
-        let used = quotas.add("q", Usage { calls: 4, rows: 0 }, true, ends + 86_400);
+        let used = quotas.add("q", Usage { calls: 4, rows: 0 }, true, ends + 86_400, 1_000);
         assert_eq!(used.calls, 4);
-        let used = quotas.add("q", Usage { calls: 2, rows: 0 }, true, ends + 86_400);
+        let used = quotas.add("q", Usage { calls: 2, rows: 0 }, true, ends + 86_400, 1_000);
         assert_eq!(used.calls, 4);
     }
 
     #[test]
     fn a_quota_never_seen_counts_from_zero() {
-        let mut quotas = LocalQuotas::default();
+        let quotas = LocalQuotas::default();
         let check = quotas.check("new", CALLS_10, 5_000, 1.0);
         assert!(check.allowed);
         assert_eq!(check.calls_remaining, Some(10));
@@ -689,14 +740,45 @@ mod tests {
     }
 
     #[test]
-    fn full_buckets_are_pruned_when_the_map_grows() {
+    fn a_kind_keeps_at_most_its_bound_and_refilled_buckets_go_a_few_at_a_time() {
         let mut local = LocalBuckets::default();
-        for n in 0..PRUNE_ABOVE {
+        for n in 0..KEYS_KEPT + 10 {
             local.take(&n.to_string(), FIVE_A_MINUTE, 1, 1000.0);
         }
-        local.take("late", FIVE_A_MINUTE, 1, 1000.0);
-        assert_eq!(local.len(), PRUNE_ABOVE + 1, "nothing has refilled yet");
+        assert_eq!(local.len(), KEYS_KEPT, "the oldest went");
         local.take("later", FIVE_A_MINUTE, 1, 1012.0);
-        assert_eq!(local.len(), 1, "all refilled but the new one");
+        assert!(local.len() < KEYS_KEPT, "refilled ones went");
+    }
+
+    /// Issue 49: a call on a short window pruned every longer window's last word (their
+    /// window numbers are smaller); each entry is now stale by its own window's length.
+    #[test]
+    fn a_short_window_keeps_a_long_ones_last_word() {
+        let now = 1_800_000_000_000_000;
+        let minute = Clock::new(60, now);
+        let mut windows = LocalWindows::default();
+        for n in 0..KEYS_KEPT {
+            let key = format!("m{n}");
+            windows.saw(&[(&key, 12, 0)], &minute, Some(0), None, 1.0);
+        }
+        let second = Clock::new(1, now + 1_500_000);
+        windows.saw(&[("s", 10, 0)], &second, Some(9), None, 1.0);
+        let later = Clock::new(60, now + 1_500_000);
+        let limits = window::Limits { rpm: 12, tpm: 0 };
+        let admitted = (0..12)
+            .filter(|_| windows.admit(&[("m50000", limits)], &later).admitted)
+            .count();
+        assert_eq!(admitted, 0, "Redis said 0 were left");
+    }
+
+    #[test]
+    fn a_quota_check_remembers_nothing_new() {
+        let mut quotas = LocalQuotas::default();
+        for n in 0..1000 {
+            assert!(quotas.check(&n.to_string(), CALLS_10, 2_000, 1.0).allowed);
+        }
+        assert_eq!(quotas.keys.len(), 0);
+        quotas.add("q", Usage { calls: 1, rows: 0 }, false, 2_000, 1_000);
+        assert_eq!(quotas.keys.len(), 1);
     }
 }

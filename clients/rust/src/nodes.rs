@@ -94,7 +94,14 @@ impl ClusterNodes {
 
     /// PING to `node` (`host:port`), on its connection: whether that node answers (the
     /// probe after its back-off).
+    /// `node` is "" while the slot table is unknown: the calls go to the first seed
+    /// then, and so does the probe.
     pub(crate) async fn ping(&self, node: &str) -> RedisResult<()> {
+        let node = if node.is_empty() {
+            &self.router.seeds[0]
+        } else {
+            node
+        };
         let (_, reply) = self
             .router
             .routed(node.to_owned(), send_command(redis::cmd("PING")), |_| {

@@ -346,7 +346,8 @@ where
                         calls: as_count(calls),
                         rows: as_count(rows),
                     };
-                    let used = state.quotas.add(key, counts, seed, resets_at);
+                    let now = now_micros.div_euclid(1_000_000);
+                    let used = state.quotas.add(key, counts, seed, resets_at, now);
                     QuotaUsage {
                         calls: used.calls.max(0) as u64,
                         rows: used.rows.max(0) as u64,

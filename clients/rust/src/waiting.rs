@@ -70,13 +70,16 @@ impl WaitConnections {
 
     /// Sends `send` on a connection of its own to `node` ("" on a single server); a
     /// free place within `queue` (else `Error::Busy`: this process's overload). Sent
-    /// once more after READONLY on a fresh connection, the node's kept ones dropped: a
+    /// once more on a fresh connection, the node's kept ones dropped: after READONLY (a
     /// primary demoted by a failover ran nothing, and the address may lead to the new
-    /// one now (a second READONLY is the outage).
+    /// one now; a second READONLY is the outage), and, when `replayable` (see
+    /// `Limiter::query_replayable`), after a dropped connection: a
+    /// restart leaves every kept connection dead, and a call meeting one is no outage.
     pub(crate) async fn send<T, F, Fut>(
         &self,
         node: &str,
         queue: Duration,
+        replayable: bool,
         send: F,
     ) -> Result<T, Failure>
     where
@@ -95,6 +98,11 @@ impl WaitConnections {
         let answer = match self.send_once(node, &send).await {
             Err(error) if demoted(&error) => {
                 log::debug!(target: "qag_client", "a demoted primary, once more: {error}");
+                lock(&self.idle).remove(node);
+                self.send_once(node, &send).await
+            }
+            Err(error) if replayable && error.is_connection_dropped() && !error.is_timeout() => {
+                log::debug!(target: "qag_client", "a dropped connection, once more: {error}");
                 lock(&self.idle).remove(node);
                 self.send_once(node, &send).await
             }
