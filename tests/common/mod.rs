@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 pub use redis::{cmd, Connection, Value};
 
+pub mod fault_proxy;
 pub mod resp;
 
 /// The token-bucket script, the reference QAG.TAKE must match.

@@ -11,79 +11,14 @@
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+#[path = "support/gateway.rs"]
+mod gateway;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::*;
-
-/// The example gateway, running until dropped.
-struct Gateway {
-    child: Child,
-    base: String,
-}
-
-impl Gateway {
-    fn start(server: &Server, flags: &[&str]) -> Gateway {
-        Gateway::start_logging(server, flags, None)
-    }
-
-    /// The gateway with its standard error (its log) written to `log`.
-    fn start_logging(server: &Server, flags: &[&str], log: Option<&Path>) -> Gateway {
-        let stderr = match log {
-            Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
-            None => Stdio::inherit(),
-        };
-        let mut child = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-            .args([
-                "run",
-                "--quiet",
-                "--package",
-                "qag-client",
-                "--features",
-                "tower",
-                "--example",
-                "axum_gateway",
-                "--",
-                "--redis",
-                &format!("redis://127.0.0.1:{}/", server.port),
-                "--listen",
-                "127.0.0.1:0",
-            ])
-            .args(flags)
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("run the axum gateway example");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let address = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("the gateway said {line:?}"))
-            .to_owned();
-        Gateway {
-            child,
-            base: format!("http://{address}"),
-        }
-    }
-
-    fn url(&self, query: &str) -> String {
-        format!("{}/v1/query?{query}", self.base)
-    }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use gateway::Gateway;
 
 /// Status, the rate-limit header fields (name=value, in order) and the body.
 async fn get(url: &str) -> (u16, Vec<String>, String) {
