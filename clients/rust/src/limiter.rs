@@ -708,11 +708,14 @@ where
                 self.answer_instead(instead, cause)
             }
             Route::Redis => match self.within_deadline(remote).await {
-                Err(error) if error.is_unavailable() => {
+                // A call its request's time cut short says nothing of Redis: the policy
+                // answers it, and no back-off starts.
+                (Err(Error::Timeout), true) => self.answer_instead(instead, Error::Timeout),
+                (Err(error), _) if error.is_unavailable() => {
                     self.outage_met(&error);
                     self.answer_instead(instead, error)
                 }
-                answer => {
+                (answer, _) => {
                     if self.options.back_off.is_zero()
                         && self.node.counted_locally.swap(false, Ordering::Relaxed)
                     {
@@ -809,11 +812,12 @@ where
     /// Bounds a call by the deadline (or what is left of its request's), an answer
     /// already on its way at the deadline taken; a server that failed to answer is asked
     /// again whether it has the module (it may have been restarted without it, or with
-    /// it).
+    /// it). True beside the answer when the request's time left the call less than a
+    /// deadline.
     async fn within_deadline<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, Error>>,
-    ) -> Result<T, Error> {
+    ) -> (Result<T, Error>, bool) {
         let window = match &self.budget {
             Some(left) => self.options.deadline.min(*lock(left)),
             None => self.options.deadline,
@@ -832,10 +836,11 @@ where
             let mut left = lock(left);
             *left = left.saturating_sub(started.elapsed().saturating_sub(wait));
         }
-        if answer.as_ref().is_err_and(Error::is_unavailable) {
+        let cut = window < self.options.deadline;
+        if answer.as_ref().is_err_and(Error::is_unavailable) && !cut {
             self.forget_presence();
         }
-        answer
+        (answer, cut)
     }
 
     /// A failed or new connection: the next call asks the server again what it has.
