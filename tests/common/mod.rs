@@ -946,3 +946,112 @@ pub fn memcheck_findings(log: &std::path::Path, any_invalid: bool) -> Vec<String
         .filter(|r| (in_module(r) && bad(r)) || (any_invalid && r.contains("Invalid")))
         .collect()
 }
+
+/// Slot → the port of its primary, from the first node that answers.
+pub fn slot_owners(nodes: &[Server]) -> std::collections::HashMap<u16, u16> {
+    for node in nodes {
+        let Ok(mut con) = node
+            .client()
+            .get_connection_with_timeout(Duration::from_secs(1))
+        else {
+            continue;
+        };
+        let _ = con.set_read_timeout(Some(Duration::from_secs(1)));
+        let Ok(redis::Value::Array(ranges)) = cmd("CLUSTER").arg("SLOTS").query(&mut con) else {
+            continue;
+        };
+        let mut owners = std::collections::HashMap::new();
+        for range in ranges {
+            let redis::Value::Array(fields) = range else {
+                panic!("a CLUSTER SLOTS entry")
+            };
+            let number = |value: &redis::Value| match value {
+                redis::Value::Int(n) => *n as u16,
+                other => panic!("a number, got {other:?}"),
+            };
+            let redis::Value::Array(primary) = &fields[2] else {
+                panic!("a node")
+            };
+            for slot in number(&fields[0])..=number(&fields[1]) {
+                owners.insert(slot, number(&primary[1]));
+            }
+        }
+        return owners;
+    }
+    panic!("no node answers")
+}
+
+pub fn slot(nodes: &[Server], key: &str) -> u16 {
+    let mut con = nodes[0].client().get_connection().unwrap();
+    cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key)
+        .query(&mut con)
+        .unwrap()
+}
+
+/// Moves `slots` from `source` to `target` as redis-cli's reshard does, two keys at a
+/// time (ASK for a key already moved, TRYAGAIN for a pair split).
+pub fn migrate(ports: Vec<u16>, slots: Vec<u16>, source: u16, target: u16) {
+    let con = |port: u16| {
+        redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+            .unwrap()
+            .get_connection()
+            .unwrap()
+    };
+    let (mut src, mut dst) = (con(source), con(target));
+    let id =
+        |con: &mut redis::Connection| -> String { cmd("CLUSTER").arg("MYID").query(con).unwrap() };
+    let (source_id, target_id) = (id(&mut src), id(&mut dst));
+    for slot in slots {
+        let _: () = cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("IMPORTING")
+            .arg(&source_id)
+            .query(&mut dst)
+            .unwrap();
+        let _: () = cmd("CLUSTER")
+            .arg("SETSLOT")
+            .arg(slot)
+            .arg("MIGRATING")
+            .arg(&target_id)
+            .query(&mut src)
+            .unwrap();
+        loop {
+            let keys: Vec<String> = cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(2)
+                .query(&mut src)
+                .unwrap();
+            if keys.is_empty() {
+                break;
+            }
+            let _: () = cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(target)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(&keys)
+                .query(&mut src)
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(5)); // calls meet the slot half moved
+        }
+        // The target first, then the source, as redis-cli does (the other order bounces
+        // MOVED between them until both know).
+        let mut ports = ports.clone();
+        ports.sort_by_key(|port| (*port != target, *port != source));
+        for port in &ports {
+            let _: () = cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg("NODE")
+                .arg(&target_id)
+                .query(&mut con(*port))
+                .unwrap();
+        }
+    }
+}

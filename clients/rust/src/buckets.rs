@@ -156,14 +156,24 @@ fn pair_command(client: &BucketCall, key: &BucketCall, id: Option<&str>) -> Cmd 
     command
 }
 
-/// A pipeline's replies with an error reply kept in its place, but READONLY returned as
-/// the round trip's error (a demoted primary ran nothing: the round trip is sent again,
-/// as a single command's is).
-fn read_only_surfaced(replies: RedisResult<Vec<Value>>) -> RedisResult<Vec<Value>> {
+/// A pipeline's replies with an error reply kept in its place, but those about where to
+/// send it returned as the round trip's error, so the round trip goes where a single
+/// command would: READONLY (a demoted primary ran nothing: sent again), and, for a
+/// waiting call on a cluster, MOVED, ASK and TRYAGAIN (followed; the shared
+/// connections' router follows them itself).
+fn connection_errors_surfaced(replies: RedisResult<Vec<Value>>) -> RedisResult<Vec<Value>> {
     let replies = replies?;
     for reply in &replies {
         if let Value::ServerError(error) = reply {
-            if error.kind() == Some(ServerErrorKind::ReadOnly) {
+            if matches!(
+                error.kind(),
+                Some(
+                    ServerErrorKind::ReadOnly
+                        | ServerErrorKind::Moved
+                        | ServerErrorKind::Ask
+                        | ServerErrorKind::TryAgain
+                )
+            ) {
                 return Err(RedisError::from(error.clone()));
             }
         }
@@ -422,7 +432,7 @@ where
             // Replayed as an admission and a read are (but for a wait).
             let sent = self.sent_waiting(
                 |mut con| async move {
-                    read_only_surfaced(pipe.query_async::<Vec<Value>>(&mut con).await)
+                    connection_errors_surfaced(pipe.query_async::<Vec<Value>>(&mut con).await)
                 },
                 true,
             );

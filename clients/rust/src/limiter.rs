@@ -417,6 +417,7 @@ impl Limiter<ConnectionManager> {
             Box::new(move |_| Ok(info.clone())),
             options.max_waiting.max(1),
             options.deadline,
+            None,
         ));
         // After READONLY: a new connection to the URL, which a failover (DNS, a proxy, a
         // managed service's endpoint) may have moved to the new primary.
@@ -449,6 +450,7 @@ impl Limiter<ClusterNodes> {
             address,
             options.max_waiting.max(1),
             options.deadline,
+            Some(topology.clone()),
         ));
         Ok(Limiter::with_link(link, options, topology))
     }

@@ -22,9 +22,9 @@ use crate::error::connection_spent;
 use crate::mutex::lock;
 
 /// Redirects one call follows before it gives up (a slot moving back and forth).
-const MOST_REDIRECTS: usize = 16;
+pub(crate) const MOST_REDIRECTS: usize = 16;
 /// How long a TRYAGAIN (the keys of a call split by a migration) waits for the next try.
-const TRY_AGAIN_AFTER: Duration = Duration::from_millis(10);
+pub(crate) const TRY_AGAIN_AFTER: Duration = Duration::from_millis(10);
 /// A call without a key (`CLUSTER SLOTS`) goes to this many nodes at once, those that
 /// failed last asked last; the first answer is taken.
 const KEYLESS_FAN_OUT: usize = 3;
@@ -171,7 +171,7 @@ impl Drop for Unanswered<'_> {
 }
 
 /// Where a reply sends the call next.
-enum Next {
+pub(crate) enum Next {
     Done,
     /// MOVED: the slot's owner is `node` now.
     Moved {
@@ -194,7 +194,7 @@ fn next_after_reply(reply: &RedisResult<Value>) -> Next {
     }
 }
 
-fn next_after(error: &RedisError) -> Next {
+pub(crate) fn next_after(error: &RedisError) -> Next {
     match error.kind() {
         ErrorKind::Server(ServerErrorKind::Moved) => match error.redirect_node() {
             Some((node, slot)) => Next::Moved {

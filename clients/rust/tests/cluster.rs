@@ -47,49 +47,6 @@ async fn crate_cluster_limiter(nodes: &[Server], options: Options) -> Limiter<Cl
     Limiter::with_options(con, options)
 }
 
-/// Slot → the port of its primary, from the first node that answers.
-fn slot_owners(nodes: &[Server]) -> HashMap<u16, u16> {
-    for node in nodes {
-        let Ok(mut con) = node
-            .client()
-            .get_connection_with_timeout(Duration::from_secs(1))
-        else {
-            continue;
-        };
-        let _ = con.set_read_timeout(Some(Duration::from_secs(1)));
-        let Ok(redis::Value::Array(ranges)) = cmd("CLUSTER").arg("SLOTS").query(&mut con) else {
-            continue;
-        };
-        let mut owners = HashMap::new();
-        for range in ranges {
-            let redis::Value::Array(fields) = range else {
-                panic!("a CLUSTER SLOTS entry")
-            };
-            let number = |value: &redis::Value| match value {
-                redis::Value::Int(n) => *n as u16,
-                other => panic!("a number, got {other:?}"),
-            };
-            let redis::Value::Array(primary) = &fields[2] else {
-                panic!("a node")
-            };
-            for slot in number(&fields[0])..=number(&fields[1]) {
-                owners.insert(slot, number(&primary[1]));
-            }
-        }
-        return owners;
-    }
-    panic!("no node answers")
-}
-
-fn slot(nodes: &[Server], key: &str) -> u16 {
-    let mut con = nodes[0].client().get_connection().unwrap();
-    cmd("CLUSTER")
-        .arg("KEYSLOT")
-        .arg(key)
-        .query(&mut con)
-        .unwrap()
-}
-
 fn port_of(nodes: &[Server], key: &str) -> u16 {
     slot_owners(nodes)[&slot(nodes, key)]
 }
@@ -592,72 +549,6 @@ async fn a_stopped_primary_touches_no_other_shard() {
     }
 }
 
-/// Moves `slots` from `source` to `target` as redis-cli's reshard does, two keys at a
-/// time (ASK for a key already moved, TRYAGAIN for a pair split).
-fn migrate(ports: Vec<u16>, slots: Vec<u16>, source: u16, target: u16) {
-    let con = |port: u16| {
-        redis::Client::open(format!("redis://127.0.0.1:{port}/"))
-            .unwrap()
-            .get_connection()
-            .unwrap()
-    };
-    let (mut src, mut dst) = (con(source), con(target));
-    let id =
-        |con: &mut redis::Connection| -> String { cmd("CLUSTER").arg("MYID").query(con).unwrap() };
-    let (source_id, target_id) = (id(&mut src), id(&mut dst));
-    for slot in slots {
-        let _: () = cmd("CLUSTER")
-            .arg("SETSLOT")
-            .arg(slot)
-            .arg("IMPORTING")
-            .arg(&source_id)
-            .query(&mut dst)
-            .unwrap();
-        let _: () = cmd("CLUSTER")
-            .arg("SETSLOT")
-            .arg(slot)
-            .arg("MIGRATING")
-            .arg(&target_id)
-            .query(&mut src)
-            .unwrap();
-        loop {
-            let keys: Vec<String> = cmd("CLUSTER")
-                .arg("GETKEYSINSLOT")
-                .arg(slot)
-                .arg(2)
-                .query(&mut src)
-                .unwrap();
-            if keys.is_empty() {
-                break;
-            }
-            let _: () = cmd("MIGRATE")
-                .arg("127.0.0.1")
-                .arg(target)
-                .arg("")
-                .arg(0)
-                .arg(5000)
-                .arg("KEYS")
-                .arg(&keys)
-                .query(&mut src)
-                .unwrap();
-            std::thread::sleep(Duration::from_millis(5)); // calls meet the slot half moved
-        }
-        // The target first, then the source, as redis-cli does (the other order bounces
-        // MOVED between them until both know).
-        let mut ports = ports.clone();
-        ports.sort_by_key(|port| (*port != target, *port != source));
-        for port in &ports {
-            let _: () = cmd("CLUSTER")
-                .arg("SETSLOT")
-                .arg(slot)
-                .arg("NODE")
-                .arg(&target_id)
-                .query(&mut con(*port))
-                .unwrap();
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reshard_of_busy_slots_under_load() {
     if external("a_reshard_of_busy_slots_under_load") {
@@ -778,4 +669,44 @@ async fn reshard_under_load(concurrency: usize) {
     let most = 20 + started.elapsed().as_secs().div_ceil(3) + 1;
     assert!(allowed.values().all(|n| *n <= most), "{most} {allowed:?}");
     assert!(slowest < deadline, "{slowest:?}");
+}
+
+/// Found by the fault test (tests/faults.rs): a waiting call, on a connection of its own,
+/// did not follow MOVED or ASK (nor patch the slot table), so once its slot moved every
+/// waiting call on it failed with the server's MOVED (553 in 15 s), for good. Now it
+/// follows them as the shared connections' router does.
+#[tokio::test(flavor = "multi_thread")]
+async fn waiting_calls_follow_their_slot_when_it_moves() {
+    if external("waiting_calls_follow_their_slot_when_it_moves") {
+        return;
+    }
+    let nodes = start_cluster(&ServerOptions::default());
+    let limiter = cluster_limiter(&nodes, Options::default());
+    let waiting = limiter.with_wait(Duration::from_millis(500)).unwrap();
+    let ports: Vec<u16> = nodes.iter().map(|node| node.port).collect();
+    let key = "qag:{moving}:waits";
+    let bucket = Bucket::with_key(key, 100, 60.0);
+    let slot_of_key = slot(&nodes, key);
+    for round in 0..3 {
+        let decision = waiting.take(&bucket, 1).await.unwrap();
+        assert_eq!(decision.answered_by, AnsweredBy::Module, "round {round}");
+        let lease = waiting
+            .lease(
+                key.replace("waits", "slots").as_str(),
+                2,
+                Duration::from_secs(5),
+                "a",
+            )
+            .await
+            .unwrap();
+        assert!(matches!(lease, Lease::Held(_)), "round {round}");
+        drop(lease);
+        let source = port_of(&nodes, key);
+        let target = *ports.iter().find(|port| **port != source).unwrap();
+        migrate(ports.clone(), vec![slot_of_key], source, target);
+    }
+    // 3 taken, the bucket moved with its tokens.
+    let decision = waiting.take(&bucket, 1).await.unwrap();
+    assert_eq!(decision.remaining, 96);
+    assert_eq!(limiter.counts().errors, 0);
 }

@@ -45,7 +45,7 @@ use qag_client::{
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use redis::aio::ConnectionManager;
+use redis::aio::ConnectionLike;
 
 const DEADLINE: Duration = Duration::from_millis(300);
 const WAIT: Duration = Duration::from_millis(200);
@@ -132,11 +132,7 @@ async fn the_clients_promises_hold_under_a_random_schedule_of_faults() {
     if external("the_clients_promises_hold_under_a_random_schedule_of_faults") {
         return;
     }
-    let seed: u64 = std::env::var("QAG_FAULT_SEED")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or_else(|| rand::thread_rng().gen());
-    println!("QAG_FAULT_SEED={seed}");
+    let seed = seed();
     let server = Server::start(&ServerOptions::default());
     let port = server.port;
     let proxy = Arc::new(FaultProxy::start(port));
@@ -204,41 +200,130 @@ async fn the_clients_promises_hold_under_a_random_schedule_of_faults() {
     let ended = Instant::now();
 
     let findings = check(&record, ended, anchor);
-    // Every lease granted, seen or not, given back (the TTL would free it at 3 s).
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut con = server.client().get_connection().unwrap();
-    let now_ms = unix_ms();
-    let slots: Vec<String> = cmd("KEYS").arg("qag:running:*").query(&mut con).unwrap();
-    let mut held = 0;
-    for key in slots.iter().map(String::as_str).chain([LEASES.0]) {
-        let live: i64 = cmd("ZCOUNT")
-            .arg(key)
-            .arg(now_ms)
-            .arg("+inf")
-            .query(&mut con)
-            .unwrap();
-        held += live;
+    let findings = [findings, left_behind(&record, &[&server]).await].concat();
+    drop(gateway);
+    let _ = std::fs::remove_file(&gateway_log);
+    let swallowed = format!("{} replies swallowed", proxy.swallowed());
+    report(seed, run, &record, &swallowed, &findings);
+}
+
+/// The same callers (no gateway) on a cluster of three primaries, each with a replica,
+/// while the schedule moves a busy slot to another primary (as redis-cli's reshard
+/// does), fails a primary over to its replica (`CLUSTER FAILOVER`: coordinated, so no
+/// acknowledged write is lost), pauses a primary's writes, and stops one (SIGSTOP,
+/// shorter than the node timeout). Nothing restarts: the limits hold over the whole run.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_clients_promises_hold_on_a_cluster_under_a_random_schedule_of_faults() {
+    if external("the_clients_promises_hold_on_a_cluster_under_a_random_schedule_of_faults") {
+        return;
     }
-    let counted: Option<u64> = cmd("HGET")
-        .arg(QUOTA.0)
-        .arg("calls")
-        .query(&mut con)
-        .unwrap();
-    let mut findings = findings;
-    findings.extend(check_quota_count(&record, counted.unwrap_or(0)));
+    // A cluster failing over holds the cores alone: its nodes must answer each other
+    // within their timeout.
+    let _alone = Cores::exclusive();
+    let seed = seed();
+    let nodes = start_cluster_of(&ClusterOptions {
+        replicas: true,
+        node_timeout_ms: 2000,
+        extra: ["--cluster-require-full-coverage", "no"]
+            .map(String::from)
+            .to_vec(),
+        ..Default::default()
+    });
+    let urls: Vec<String> = nodes
+        .iter()
+        .map(|node| format!("redis://127.0.0.1:{}/", node.port))
+        .collect();
+    let seeds: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let options = Options {
+        deadline: DEADLINE,
+        on_unavailable: OnUnavailable::Raise,
+        back_off: Duration::from_millis(500),
+        ..Options::default()
+    };
+    let limiter = Limiter::connect_cluster(&seeds, options).unwrap();
+    let record = Arc::new(Record::default());
+    let anchor = (Instant::now(), unix_ms());
+    let run = Duration::from_secs_f64(seconds() * 0.6);
+    let end = Instant::now() + run;
+    let schedule = {
+        let record = record.clone();
+        std::thread::spawn(move || {
+            cluster_faults(&nodes, &record, seed, end);
+            nodes
+        })
+    };
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|n| {
+            let (limiter, record) = (limiter.clone(), record.clone());
+            let rng = StdRng::seed_from_u64(seed ^ (n as u64 + 1));
+            tokio::spawn(call(limiter, record, rng, end))
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let nodes = schedule.join().unwrap();
+    let ended = Instant::now();
+    let findings = check(&record, ended, anchor);
+    let primaries: Vec<&Server> = nodes.iter().filter(|node| role(node) == "master").collect();
+    let findings = [findings, left_behind(&record, &primaries).await].concat();
+    report(
+        seed,
+        run,
+        &record,
+        "a cluster of 3 primaries and 3 replicas",
+        &findings,
+    );
+}
+
+/// `QAG_FAULT_SEED`, or a random one; printed either way.
+fn seed() -> u64 {
+    let seed = std::env::var("QAG_FAULT_SEED")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or_else(|| rand::thread_rng().gen());
+    println!("QAG_FAULT_SEED={seed}");
+    seed
+}
+
+/// What the callers left in Redis, a second after the last one ended (the library's
+/// leases would run out at 3 s): a slot still held, a quota count off.
+async fn left_behind(record: &Record, servers: &[&Server]) -> Vec<String> {
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let now_ms = unix_ms();
+    let (mut held, mut counted) = (0, 0);
+    for server in servers {
+        let mut con = server.client().get_connection().unwrap();
+        let gateways: Vec<String> = cmd("KEYS").arg("qag:running:*").query(&mut con).unwrap();
+        for key in gateways.iter().map(String::as_str).chain([LEASES.0]) {
+            // A key of another node's slot answers MOVED: nothing of it here.
+            let live: redis::RedisResult<i64> = cmd("ZCOUNT")
+                .arg(key)
+                .arg(now_ms)
+                .arg("+inf")
+                .query(&mut con);
+            held += live.unwrap_or(0);
+        }
+        let calls: redis::RedisResult<Option<u64>> =
+            cmd("HGET").arg(QUOTA.0).arg("calls").query(&mut con);
+        counted += calls.ok().flatten().unwrap_or(0);
+    }
+    let mut findings = check_quota_count(record, counted);
     if held > 0 {
         findings.push(format!(
             "{held} slots still held 1 s after the last call ended"
         ));
     }
-    drop(gateway);
-    let _ = std::fs::remove_file(&gateway_log);
+    findings
+}
+
+/// The run's line, and its failure with the seed and the faults.
+fn report(seed: u64, run: Duration, record: &Record, what: &str, findings: &[String]) {
     let faults = record.faults.lock().unwrap();
     println!(
-        "seed {seed}: {} faults over {run:?} ({} replies swallowed); {}",
+        "seed {seed}: {} faults over {run:?} ({what}); {}",
         faults.len(),
-        proxy.swallowed(),
-        summary(&record)
+        summary(record)
     );
     assert!(
         findings.is_empty(),
@@ -248,13 +333,102 @@ async fn the_clients_promises_hold_under_a_random_schedule_of_faults() {
     );
 }
 
+/// A node's role: "master" or "slave".
+fn role(node: &Server) -> String {
+    let Ok(mut con) = node.client().get_connection() else {
+        return String::new();
+    };
+    match cmd("ROLE").query::<Vec<Value>>(&mut con) {
+        Ok(fields) => match fields.first() {
+            Some(Value::BulkString(text)) => String::from_utf8_lossy(text).into_owned(),
+            _ => String::new(),
+        },
+        Err(_) => String::new(),
+    }
+}
+
+/// The cluster's schedule: a fault every 300–800 ms until `end`.
+fn cluster_faults(nodes: &[Server], record: &Record, seed: u64, end: Instant) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let started = Instant::now();
+    let keys = [BUCKET.0, WAITING.0, LEASES.0, QUOTA.0, WINDOW.0];
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(rng.gen_range(300..800)));
+        let at = started.elapsed().as_millis();
+        let primaries: Vec<&Server> = nodes.iter().filter(|node| role(node) == "master").collect();
+        let Some(primary) = primaries.get(rng.gen_range(0..primaries.len().max(1))) else {
+            continue;
+        };
+        let fault = match rng.gen_range(0..4) {
+            0 => {
+                let key = keys[rng.gen_range(0..keys.len())];
+                let slot = slot(nodes, key);
+                let owner = slot_owners(nodes)[&slot];
+                let others: Vec<u16> = primaries
+                    .iter()
+                    .map(|node| node.port)
+                    .filter(|port| *port != owner)
+                    .collect();
+                let target = others[rng.gen_range(0..others.len())];
+                // SETSLOT to the primaries only (a replica refuses it; gossip tells it).
+                let ports: Vec<u16> = primaries.iter().map(|node| node.port).collect();
+                migrate(ports, vec![slot], owner, target);
+                format!("the slot of {key} moved from {owner} to {target}")
+            }
+            1 => {
+                let replica = nodes.iter().find(|node| {
+                    node.client().get_connection().is_ok_and(|mut con| {
+                        cmd("ROLE").query::<Vec<Value>>(&mut con).is_ok_and(|fields| {
+                            matches!(fields.get(2), Some(Value::Int(port)) if *port == i64::from(primary.port))
+                        })
+                    })
+                });
+                match replica {
+                    Some(replica) => {
+                        let mut con = replica.client().get_connection().unwrap();
+                        let _: redis::RedisResult<()> =
+                            cmd("CLUSTER").arg("FAILOVER").query(&mut con);
+                        let until = Instant::now() + Duration::from_secs(10);
+                        while role(replica) != "master" && Instant::now() < until {
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                        format!("{} failed over to {}", primary.port, replica.port)
+                    }
+                    None => format!("{} has no replica in sync", primary.port),
+                }
+            }
+            2 => {
+                let ms = rng.gen_range(100..500);
+                if let Ok(mut con) = primary.client().get_connection() {
+                    let _: redis::RedisResult<()> = cmd("CLIENT")
+                        .arg("PAUSE")
+                        .arg(ms)
+                        .arg("WRITE")
+                        .query(&mut con);
+                }
+                format!("{}'s writes paused {ms} ms", primary.port)
+            }
+            _ => {
+                let lasting = Duration::from_millis(rng.gen_range(100..400));
+                let mut stopped = Stopped::new(primary);
+                std::thread::sleep(lasting);
+                stopped.resume();
+                format!("{} stopped (SIGSTOP) for {lasting:?}", primary.port)
+            }
+        };
+        record
+            .faults
+            .lock()
+            .unwrap()
+            .push(format!("{at:>6} ms: {fault}"));
+    }
+}
+
 /// One caller: a take, a waiting take or a lease held a while, at random, until `end`.
-async fn call(
-    limiter: Limiter<ConnectionManager>,
-    record: Arc<Record>,
-    mut rng: StdRng,
-    end: Instant,
-) {
+async fn call<C>(limiter: Limiter<C>, record: Arc<Record>, mut rng: StdRng, end: Instant)
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
     let waiting = limiter.with_wait(WAIT).unwrap();
     let bucket = Bucket::with_key(BUCKET.0, BUCKET.1, BUCKET.2);
     let waited = Bucket::with_key(WAITING.0, WAITING.1, WAITING.2);
