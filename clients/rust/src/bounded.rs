@@ -48,13 +48,17 @@ impl<K: Hash + Eq + Clone, V> BoundedMap<K, V> {
         self.map.entry(key).or_insert_with(make)
     }
 
-    /// Sets `key` to `value` ([`BoundedMap::entry`] for a new key).
+    /// Sets `key` to `value` (a new key as [`BoundedMap::entry`] makes one). One
+    /// lookup for a key already kept, as a plain map's insert: Redis's every answer
+    /// comes here.
     pub(crate) fn insert(&mut self, key: K, value: V, stale: impl Fn(&K, &V) -> bool) {
-        let mut value = Some(value);
-        let kept = self.entry(key, || value.take().expect("made once"), stale);
-        if let Some(value) = value {
+        if let Some(kept) = self.map.get_mut(&key) {
             *kept = value;
+            return;
         }
+        self.make_room(stale);
+        self.order.push_back(key.clone());
+        self.map.insert(key, value);
     }
 
     pub(crate) fn clear(&mut self) {
