@@ -10,6 +10,7 @@ import hashlib
 import os
 import math
 import signal
+import socket
 import threading
 import time
 from collections import Counter, defaultdict
@@ -462,3 +463,93 @@ def test_the_first_call_reads_the_slot_table_within_its_deadline(
         assert 0.2 < took < 0.4 + 0.1, took
     finally:
         blocking.close()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that takes connections and never answers (a hung server: the kernel
+    completes the handshake, nothing reads)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        yield int(listener.getsockname()[1])
+
+
+@pytest.mark.parametrize("policy", ["forward", "local", "raise"])
+def test_a_slot_table_that_cannot_be_read_is_an_outage_the_policy_answers(
+    silent_port: int, policy: str
+) -> None:
+    """An asyncio cluster client that has not read its slots, its seed never answering:
+    the first call's reading of the table costs its deadline and is an outage (the
+    policy answers, a back-off starts); the calls of the back-off read nothing."""
+    blocking = Blocking(
+        lambda: AsyncLimiter(
+            AsyncRedisCluster(host="127.0.0.1", port=silent_port),
+            deadline=0.2,
+            on_unavailable=policy,
+        )
+    )
+    try:
+        answers: Counter[str] = Counter()
+        started = time.monotonic()
+        for n in range(20):
+            try:
+                answers[blocking.take(Bucket(f"qag:{{t{n}}}:b", 5, 60)).answered_by] += 1
+            except QagUnavailable:
+                answers["raised"] += 1
+        took = time.monotonic() - started
+        expected = {"forward": "forwarded", "local": "local", "raise": "raised"}[policy]
+        assert answers == {expected: 20}
+        assert took < 0.2 + 0.15, f"{took:.2f} s: more than one deadline"
+        assert blocking.backing_off
+        counts = blocking.counts
+        assert (counts.forwarded, counts.local, counts.errors) == (
+            20 if policy == "forward" else 0,
+            20 if policy == "local" else 0,
+            20 if policy == "raise" else 0,
+        )
+    finally:
+        blocking.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_slot_no_node_serves_is_an_outage_the_policy_answers(
+    start_server: Callable[..., Server], kind: str
+) -> None:
+    """A cluster serving half its slots (``cluster-require-full-coverage no``): a call
+    on a slot no node serves is answered by the policy, the served slots by Redis."""
+    node = start_server(
+        extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+               "--cluster-require-full-coverage", "no"]
+    )  # fmt: skip
+    node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 8191)
+    deadline = time.monotonic() + 10
+    while b"cluster_state:ok" not in node.client().execute_command("CLUSTER", "INFO"):
+        assert time.monotonic() < deadline, "the cluster never became ok"
+        time.sleep(0.05)
+    slot_of = lambda key: int(
+        node.client().execute_command("CLUSTER", "KEYSLOT", key)
+    )  # noqa: E731
+    served = next(f"qag:{{s{n}}}:b" for n in range(100) if slot_of(f"qag:{{s{n}}}:b") < 8192)
+    unserved = next(f"qag:{{u{n}}}:b" for n in range(100) if slot_of(f"qag:{{u{n}}}:b") >= 8192)
+    options = dict(deadline=0.3, on_unavailable="forward")
+    limiter: Any
+    if kind == "sync":
+        cluster = RedisCluster(host="127.0.0.1", port=node.port, require_full_coverage=False)
+        limiter = Limiter(cluster, **options)
+    else:
+        limiter = Blocking(
+            lambda: AsyncLimiter(
+                AsyncRedisCluster(host="127.0.0.1", port=node.port, require_full_coverage=False),
+                **options,
+            )
+        )
+    try:
+        assert limiter.take(Bucket(unserved, 5, 60)).answered_by == "forwarded"
+        assert limiter.take(Bucket(unserved, 5, 60)).answered_by == "forwarded"
+        assert limiter.take(Bucket(served, 5, 60)).answered_by == "module"
+        assert limiter.counts.forwarded == 2 and limiter.counts.errors == 0
+    finally:
+        limiter.close()
+        if kind == "sync":
+            cluster.close()

@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 import json
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import http_sfv
 import httpx
 import pytest
 
 from conftest import REPOSITORY, Server
+from fault_proxy import FaultProxy
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples/fastapi_gateway.py"
 
@@ -34,10 +35,14 @@ Answer = Tuple[int, List[str], str]
 
 
 class Gateway:
-    def __init__(self, server: Server, flags: List[str], log: Optional[Path] = None) -> None:
+    """The example on ``server`` (or the Redis at a URL: a fault proxy's)."""
+
+    def __init__(
+        self, server: Union[Server, str], flags: List[str], log: Optional[Path] = None
+    ) -> None:
+        redis_url = server if isinstance(server, str) else server.url
         self.process = subprocess.Popen(
-            [sys.executable, str(EXAMPLE), "--redis", server.url, "--listen", "127.0.0.1:0"]
-            + flags,
+            [sys.executable, str(EXAMPLE), "--redis", redis_url, "--listen", "127.0.0.1:0"] + flags,
             stdout=subprocess.PIPE,
             stderr=None if log is None else log.open("w"),
             text=True,
@@ -59,7 +64,7 @@ class Gateway:
 def start_gateway() -> Iterator[Callable[..., Gateway]]:
     started: List[Gateway] = []
 
-    def start(server: Server, *flags: str, log: Optional[Path] = None) -> Gateway:
+    def start(server: Union[Server, str], *flags: str, log: Optional[Path] = None) -> Gateway:
         gateway = Gateway(server, list(flags), log)
         started.append(gateway)
         return gateway
@@ -294,6 +299,41 @@ def test_a_stopped_redis_costs_a_request_one_deadline(
         assert took < 0.5 * 1.8, took
 
 
+def test_a_slot_whose_release_failed_is_freed_in_the_background(
+    start_server: Callable[..., Server],
+) -> None:
+    """A request ends as Redis pauses writes (a failover): its slot's release times
+    out and goes on in the background, so the next requests of the key are let in
+    rather than refused 429 until the slot's TTL (30 s)."""
+    from qag_client import AsyncLimiter
+    from qag_client.asgi import KeyLimits, RateLimitMiddleware, query_parameter
+
+    server = start_server()
+
+    async def app(scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        if b"pause" in scope["query_string"]:
+            server.client().execute_command("CLIENT", "PAUSE", 600, "WRITE")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def scenario() -> List[int]:
+        limiter = AsyncLimiter(server.async_client(), deadline=0.3)
+        limited = RateLimitMiddleware(
+            app, limiter, api_key=query_parameter("key"), key_limits=KeyLimits(max_concurrent=1)
+        )
+        statuses = []
+        transport = httpx.ASGITransport(app=limited)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            statuses.append((await client.get("/?key=acme~a&pause")).status_code)
+            for _ in range(3):
+                await asyncio.sleep(1.0)
+                statuses.append((await client.get("/?key=acme~a")).status_code)
+        await limiter.aclose()
+        return statuses
+
+    assert asyncio.run(scenario()) == [200, 200, 200, 200]
+
+
 def test_the_wsgi_middleware_under_flask(start_server: Callable[..., Server]) -> None:
     from flask import Flask, Response, request
 
@@ -428,6 +468,46 @@ def test_the_wsgi_middleware_holds_a_model_calls_window(
     assert invalid.json["code"] == "limiter_unavailable"
     assert leases(server, "qag:running:acme~v") == 0
     assert bucket_tokens(server, "qag:ratelimit:key:100/3600:acme~v") == 98
+    limiter.close()
+
+
+def test_the_wsgi_middleware_counts_a_response_started_twice_once(
+    start_server: Callable[..., Server],
+) -> None:
+    """PEP 3333: an app that fails after ``start_response`` (nothing sent yet) calls it
+    again with ``exc_info`` for its error response: the request is added to the quota
+    once, and both starts carry the limit's fields."""
+    import io
+
+    from qag_client import Limiter, Quota
+    from qag_client.wsgi import KeyLimits, RateLimitWSGI, query_parameter
+
+    server = start_server()
+
+    def app(environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
+        start_response("200 OK", [("content-type", "text/plain")])
+        try:
+            raise RuntimeError("the query failed")
+        except RuntimeError:
+            start_response("500 Internal Server Error", [], sys.exc_info())
+        return [b"failed"]
+
+    limiter = Limiter(server.client())
+    quota = Quota("day", calls=10)
+    limited = RateLimitWSGI(
+        app, limiter, api_key=query_parameter("key"), key_limits=KeyLimits(quota=quota)
+    )
+    started: List[Tuple[str, Dict[str, str]]] = []
+
+    def start_response(status: str, headers: List[Tuple[str, str]], exc_info: Any = None) -> None:
+        started.append((status, dict(headers)))
+
+    environ = {"REQUEST_METHOD": "GET", "QUERY_STRING": "key=acme~w", "wsgi.input": io.BytesIO()}
+    body = limited(environ, start_response)
+    getattr(body, "close")()
+    assert limiter.quota_check("qag:quota:acme~w", quota).calls_remaining == 9
+    assert [status for status, _ in started] == ["200 OK", "500 Internal Server Error"]
+    assert [fields.get("x-quota-remaining-calls") for _, fields in started] == ["9", "9"]
     limiter.close()
 
 
@@ -1008,3 +1088,27 @@ def test_two_hundred_requests_at_once_stay_within_every_limit(
             # A call the window refused gave its token back; only those served counted.
             assert bucket_tokens(server, "qag:ratelimit:key:150/3600:acme~y") == 150 - served
             assert server.client().hget("qag:quota:acme~y", "calls") == str(served).encode()
+
+
+def test_a_slow_redis_is_no_outage_for_the_quota_add(
+    start_server: Callable[..., Server], start_gateway: Callable[..., Gateway]
+) -> None:
+    """Suspected in the review, confirmed: the quota add at the response's start shares
+    the request's one deadline with the admission's calls, so through a relay that adds
+    140 ms a round trip the add had what was left, missed it though Redis counted it,
+    and its timeout started a back-off: the next requests answered 503 on a healthy,
+    slow Redis. A call its request's time cut short is no outage now."""
+    server = start_server()
+    with FaultProxy(server.port) as proxy:
+        relayed = f"redis://127.0.0.1:{proxy.port}/"
+        gateway = start_gateway(
+            relayed, "--key-limit", "100/60", "--max-concurrent", "4", "--quota-calls", "1000"
+        )
+        # Connected (a connection's handshake is several round trips) before the relay
+        # slows down.
+        assert httpx.get(gateway.url("key=warm"), timeout=10).status_code == 200
+        proxy.delay(0.14)
+        statuses = [httpx.get(gateway.url("key=slow"), timeout=10).status_code for _ in range(6)]
+    counted = server.client().hget("qag:quota:slow", "calls")
+    assert statuses == [200] * 6, f"counted {counted!r}"
+    assert counted == b"6"

@@ -171,6 +171,37 @@ def test_a_release_timing_out_on_the_way_out_raises_nothing(
     sleeper.join()
 
 
+def test_a_release_that_fails_on_the_way_out_goes_on_in_the_background(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    """Writes paused as a lease's block ends (a failover pauses them): the release
+    times out, and goes on in the background until Redis answers, the slot not left
+    held until its TTL."""
+    server = start_server()
+    limiter = make_limiter(server, deadline=0.3)
+    with limiter.lease("qag:run", 2, 30_000, "q1"):
+        server.client().execute_command("CLIENT", "PAUSE", 600, "WRITE")
+    assert limiter.counts.errors == 1
+    assert leases_back_to_zero(server, limiter, "qag:run") < 1.5
+
+
+def test_a_lease_is_released_on_a_time_of_its_own(
+    start_server: Callable[..., Server], make_limiter: Callable[..., Any]
+) -> None:
+    """A request whose calls spent its whole deadline (the middleware's budget) still
+    releases its slot on the way out, at once: the release's time is its own."""
+    from qag_client._driver import Budget, spending
+
+    server = start_server()
+    limiter = make_limiter(server, deadline=0.3)
+    guard = limiter.lease("qag:run", 2, 30_000, "q1")
+    guard.__enter__()
+    with spending(Budget(0.0)):
+        guard.__exit__(None, None, None)
+    assert server.client().execute_command("QAG.LEASES", "qag:run") == 0
+    assert limiter.counts.errors == 0
+
+
 def skip_on_redis_8_when_unloading(admin: Any) -> None:
     info = admin.info("server")
     if "valkey_version" not in info and int(str(info["redis_version"]).split(".")[0]) >= 8:

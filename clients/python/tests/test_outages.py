@@ -17,9 +17,10 @@ from collections import Counter
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
+import redis
 
 from conftest import Blocking, Server, cores
-from qag_client import AsyncLimiter, Bucket, Decision, QagBusy, QagUnavailable, Quota
+from qag_client import AsyncLimiter, Bucket, Decision, Limiter, QagBusy, QagUnavailable, Quota
 
 DEADLINE = 0.3
 # A call bounded by one deadline ends within it, late by at most a wake-up on a machine
@@ -158,6 +159,55 @@ def test_connecting_to_a_stopped_server_is_within_the_deadline(
             limiter.take(Bucket("qag:k", 5, 3600))
         took.append(time.monotonic() - started)
     assert min(took) < DEADLINE + 0.1, took
+
+
+def test_no_error_text_carries_a_password() -> None:
+    """Review finding 7 (Rust's): no error, log line or repr may carry a password. The
+    Python client formats no address itself; what redis-py raises, and the limiter's
+    own texts, are checked here for a password in the URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for url in (f"redis://:hunter2@127.0.0.1:{port}/", f"redis://alice:hunter2@127.0.0.1:{port}/0"):
+        limiter = Limiter(redis.Redis.from_url(url), deadline=DEADLINE)
+        for _ in range(2):  # the outage's, then the back-off's
+            with pytest.raises(QagUnavailable) as raised:
+                limiter.take(Bucket("qag:k", 5, 3600))
+            for text in (str(raised.value), repr(raised.value), repr(limiter)):
+                assert "hunter2" not in text, text
+
+
+def test_a_hung_name_lookup_is_within_the_deadline(
+    start_server: Callable[..., Server],
+    make_limiter: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server's name not resolving (a resolver that does not answer): connecting,
+    its name lookup included, is bounded by the deadline."""
+    server = start_server()
+    resolve = socket.getaddrinfo
+
+    def hung(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "localhost":
+            time.sleep(2)
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hung)
+    limiter = make_limiter(server, {"host": "localhost"}, deadline=DEADLINE)
+    started = time.monotonic()
+    with pytest.raises(QagUnavailable):
+        limiter.take(Bucket("qag:k", 5, 3600))
+    took = time.monotonic() - started
+    assert took < WITHIN_ONE_DEADLINE, f"{took:.2f} s"
+    monkeypatch.undo()  # the resolver answers again: so does Redis
+    until = time.monotonic() + 3
+    while True:
+        try:
+            assert limiter.take(Bucket("qag:k", 5, 3600)).answered_by == "module"
+            break
+        except QagUnavailable:  # backing off
+            assert time.monotonic() < until
+            time.sleep(0.05)
 
 
 def gateway_request(limiter: Any, n: int) -> Tuple[float, float, Set[str], int]:

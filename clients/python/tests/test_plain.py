@@ -17,7 +17,7 @@ from qag_client._driver import Budget
 from qag_client._engine import admit_call, period_arguments, record_call, server_clock
 from qag_client._gateway import Config, KeyLimits, Limiting, RequestParts, WindowLimit, drive_async
 from qag_client.decisions import Admission
-from qag_client.local import LocalBuckets
+from qag_client.local import LocalBuckets, LocalQuotas
 
 
 def test_the_packaged_script_is_the_repositorys_byte_for_byte() -> None:
@@ -87,16 +87,25 @@ def test_sorted_errors_keep_their_cause() -> None:
     assert sorted_error.__cause__ is cause
 
 
-def test_local_buckets_forget_full_ones_when_many() -> None:
+def test_local_buckets_are_bounded_and_forget_full_ones_a_few_at_a_time() -> None:
     import qag_client.local as local_module
 
     local = LocalBuckets()
-    for n in range(local_module.PRUNE_ABOVE):
+    for n in range(local_module.PRUNE_ABOVE + 10):
         local.take(str(n), 5, 60.0, 1, 1000.0)
-    local.take("late", 5, 60.0, 1, 1000.0)
-    assert len(local) == local_module.PRUNE_ABOVE + 1
+    assert len(local) == local_module.PRUNE_ABOVE, "the oldest went"
+    # Refilled ones go a few a write, never all at once (no write rebuilds the map).
     local.take("later", 5, 60.0, 1, 1012.0)
-    assert len(local) == 1
+    assert len(local) == local_module.PRUNE_ABOVE + 1 - local_module.PRUNE_STEP
+
+
+def test_a_local_quota_check_remembers_no_key() -> None:
+    quotas = LocalQuotas()
+    for n in range(1000):
+        assert quotas.check(str(n), "month", "UTC", 10, None, 1_800_000_000.0, 1.0).allowed
+    assert len(quotas) == 0
+    quotas.add("q", "month", "UTC", 1, 0, 1_800_000_000.0)
+    assert len(quotas) == 1
 
 
 @pytest.mark.parametrize(
@@ -601,3 +610,94 @@ def test_a_request_interrupted_at_its_end_releases_its_slot_and_its_hold() -> No
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(drive_async(limiter, request.ended(), budget))
     assert limiter.done == ["lease exit", "hold left"]
+
+
+def test_ids_made_after_a_fork_are_the_childs_own() -> None:
+    """A worker forked after the package was imported (gunicorn --preload, uWSGI) makes
+    ids of its own: its requests' (the middleware's, its slots' lease ids) and its
+    calls' default ids never repeat its parent's or a sibling's."""
+    import os
+
+    from qag_client.decisions import request_id_of
+
+    def ids() -> List[str]:
+        request = Limiting(Config(), RequestParts({}, None, dict, ""))
+        return [request.id, request_id_of(None)]
+
+    ids()  # the parent made ids before forking
+    made: List[str] = []
+    for _ in range(2):
+        reader, writer = os.pipe()
+        child = os.fork()
+        if child == 0:  # the worker: reports its ids and ends
+            try:
+                os.write(writer, " ".join(ids()).encode())
+            finally:
+                os._exit(0)
+        os.close(writer)
+        with os.fdopen(reader) as pipe:
+            made += pipe.read().split()
+        os.waitpid(child, 0)
+    made += ids()
+    assert len(made) == 6 and len(set(made)) == 6, made
+
+
+def test_local_windows_keep_each_scopes_last_word_for_its_own_window() -> None:
+    """100,000 scopes of 60 s tracked: an answer Redis gives costs the same however many
+    are tracked (no rebuild of the map under the lock), and one on a chain of 1 s drops
+    no scope's last word before its own window has passed (a scope Redis said had
+    nothing left is not admitted locally)."""
+    import time
+
+    import qag_client.local as local_module
+    from qag_client.local import LocalWindows
+
+    windows = LocalWindows()
+    now = 1_800_000_000.0  # the start of a window of 60 s
+    drained = Admission(True, None, 0, 0, None, "module")  # 0 requests left
+    many = local_module.PRUNE_ABOVE
+    for n in range(many):
+        windows.saw([Scope(f"scope{n}", 12, 0)], 60, now, drained)
+    started = time.perf_counter()
+    for n in range(20):
+        windows.saw([Scope(f"more{n}", 12, 0)], 60, now + 1, drained)
+    per_answer = (time.perf_counter() - started) / 20
+    windows.saw([Scope("fast", 5, 0)], 1, now + 2, drained)
+    newest = Scope(f"scope{many - 1}", 12, 0)
+    admitted = [windows.admit([newest], 60, now + 3, 1.0).admitted for _ in range(12)]
+    assert admitted.count(True) == 0, admitted
+    assert per_answer < 0.002, f"{per_answer * 1000:.1f} ms an answer"
+
+
+def test_local_windows_stay_bounded() -> None:
+    """Scopes past their own window are dropped as answers come (a few at a time), and
+    the map never holds more than its bound: the oldest go first."""
+    import qag_client.local as local_module
+    from qag_client.local import LocalWindows
+
+    windows = LocalWindows()
+    now = 1_800_000_000.0
+    said = Admission(True, None, 0, 3, None, "module")
+    many = local_module.PRUNE_ABOVE
+    for n in range(many + 10):
+        windows.saw([Scope(f"scope{n}", 12, 0)], 60, now, said)
+    assert len(windows._seen) == many
+    assert "scope9" not in windows._seen and "scope10" in windows._seen
+    for n in range(100):  # a window later: the stale go, a few an answer
+        windows.saw([Scope(f"later{n}", 12, 0)], 60, now + 60, said)
+    assert len(windows._seen) < many - 5000
+
+
+def test_a_refused_local_lease_keeps_nothing() -> None:
+    """Leases refused locally (every slot held, as Redis last said) on many keys keep
+    nothing of them: memory grows with the leases held, not the keys asked."""
+    from qag_client.local import LocalLeases
+
+    leases = LocalLeases()
+    now = 1_800_000_000.0
+    for n in range(1000):
+        leases.saw(f"qag:running:{n}", 1, 30_000, now)
+        assert not leases.acquire(f"qag:running:{n}", "q", 1, 1.0, now + 1).acquired
+    assert leases._held == {}
+    assert leases.acquire("qag:running:free", "q", 1, 1.0, now).acquired
+    assert list(leases._held) == ["qag:running:free"]

@@ -34,16 +34,23 @@ LATE_TURNS = 3
 
 
 def _tracked(connection_class: type) -> type:
-    """``connection_class`` that marks the running round trip written when it sends."""
+    """``connection_class`` that tells the running round trip when its request is on its
+    way: its connection being made (the name lookup included), or it sent."""
     if connection_class in _TRACKED:
         return _TRACKED[connection_class]
     base: Any = connection_class
 
     class Tracked(base):  # type: ignore[misc]
+        async def connect(self, *args: Any, **kwargs: Any) -> Any:
+            round_trip = _ROUND_TRIP.get()
+            if round_trip is not None:
+                round_trip.begin(asyncio.get_running_loop().time())
+            return await super().connect(*args, **kwargs)
+
         async def send_packed_command(self, *args: Any, **kwargs: Any) -> Any:
             round_trip = _ROUND_TRIP.get()
             if round_trip is not None:
-                round_trip.write(asyncio.get_running_loop().time())
+                round_trip.begin(asyncio.get_running_loop().time())
             if driver.stale(self):  # made before its node was found demoted: made again
                 self.qag_epoch = None  # (the handshake's own commands send through here)
                 await self.disconnect()
@@ -144,8 +151,9 @@ class _Task:
 
 class AsyncLease(driver.LeaseGuard):
     """``Lease`` for asyncio: renewed by a task while the ``async with`` block runs. An
-    acquire cancelled after its QAG.LEASE was sent, and a release cancelled on the way
-    out, are released by a task of the limiter (bounded by the lease's TTL)."""
+    acquire cancelled after its QAG.LEASE was sent, and a release that failed or was
+    cancelled on the way out, are released by a task of the limiter (bounded by the
+    lease's TTL)."""
 
     _limiter: AsyncLimiter
 
@@ -337,18 +345,19 @@ class AsyncLimiter(driver.Driver["AsyncLease", "AsyncReservation"]):
 
 
 async def _round_trip(effect: driver.Send, loop: asyncio.AbstractEventLoop) -> Any:
-    """The request on its call's trip: written by the queue time (NotSent if not), then
-    answered by the deadline; at the deadline, a few more turns of the loop for an
-    answer already on its way (a busy loop is late to read it) before DeadlinePassed."""
+    """The request on its call's trip: on its way by the queue time (NotSent if not:
+    its connection being made, or it written), then answered by the deadline; at the
+    deadline, a few more turns of the loop for an answer already on its way (a busy loop
+    is late to read it) before DeadlinePassed."""
     trip = effect.trip
-    written: Optional["asyncio.Future[None]"] = None
+    begun: Optional["asyncio.Future[None]"] = None
     if trip.answer_by is None:
-        trip_written = loop.create_future()
-        written = trip_written
+        trip_begun = loop.create_future()
+        begun = trip_begun
 
         def told() -> None:
-            if not trip_written.done():
-                trip_written.set_result(None)
+            if not trip_begun.done():
+                trip_begun.set_result(None)
 
         round_trip = driver.RoundTrip(trip, told)
     else:
@@ -359,9 +368,9 @@ async def _round_trip(effect: driver.Send, loop: asyncio.AbstractEventLoop) -> A
     finally:
         _ROUND_TRIP.reset(token)
     try:
-        if written is not None:  # the call's first request: written by the queue time?
+        if begun is not None:  # the call's first request: on its way by the queue time?
             await asyncio.wait(
-                (task, written), timeout=trip.queue_by - loop.time(), return_when="FIRST_COMPLETED"
+                (task, begun), timeout=trip.queue_by - loop.time(), return_when="FIRST_COMPLETED"
             )
         if not task.done() and trip.answer_by is not None:
             await asyncio.wait((task,), timeout=trip.answer_by - loop.time())
@@ -378,8 +387,8 @@ async def _round_trip(effect: driver.Send, loop: asyncio.AbstractEventLoop) -> A
         await asyncio.wait((task,))
     if not task.cancelled():
         return task.result()
-    if not round_trip.written:
-        raise driver.NotSent("the deadline passed before the request was written")
+    if not round_trip.begun:
+        raise driver.NotSent("the deadline passed before the request was on its way")
     raise driver.DeadlinePassed()
 
 

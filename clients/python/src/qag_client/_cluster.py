@@ -35,6 +35,11 @@ REFRESH_EVERY = 0.5
 # Redirections one request follows before giving up (a slot moving twice at once).
 MAX_REDIRECTIONS = 5
 CROSS_SLOT_CHOICES = ("raise", "two_calls")
+# On a cluster, the node of the calls whose slot the table names no owner for (the table
+# not read yet, or the slot unserved): it sends none of them (each is an outage, answered
+# by its policy), so its back-off keeps the next ones from reading the table on their
+# own time. On a single server, the one node.
+NO_OWNER = ""
 
 
 def slot_of(key: str) -> int:
@@ -209,7 +214,7 @@ class Shards(Generic[NodeT]):
     """A limiter's nodes, made on first use, each with its engine: the module's
     presence, the back-off and the local counts of one server, so one shard's failure
     changes nothing for keys on the others. On a single server there is one node
-    (named ""); on a cluster, the owner of the call's slot."""
+    (named ""); on a cluster, the owner of the call's slot, or ``NO_OWNER``."""
 
     def __init__(self, make: Callable[[str], NodeT], cluster: bool) -> None:
         self._make = make

@@ -45,6 +45,7 @@ import redis.exceptions
 from . import decisions as d
 from ._cluster import (
     MAX_REDIRECTIONS,
+    NO_OWNER,
     SLOTS,
     Shards,
     admit_keys,
@@ -70,6 +71,7 @@ from ._engine import (
     Request,
     RunScript,
     T,
+    TimeSpent,
     release_delay,
     release_gives_up,
     sort_error,
@@ -103,9 +105,10 @@ OWN_ID_KEEP = 10
 
 class Send(NamedTuple):
     """One request on ``node`` (``asking``: after ASKING, on one connection), on the
-    call's ``trip``: written by its ``queue_by`` (else NotSent: the client's own
-    overload), its connecting, sending and reading by its ``answer_by`` (else
-    DeadlinePassed: the server's). The reply, or the error the client raised."""
+    call's ``trip``: on its way (its connection being made, or it written) by its
+    ``queue_by`` (else NotSent: the client's own overload), its connecting, sending and
+    reading by its ``answer_by`` (else DeadlinePassed: the server's). The reply, or the
+    error the client raised."""
 
     node: "Node"
     request: Request
@@ -155,16 +158,17 @@ Driven = Generator[Effect, Any, T]
 
 
 class DeadlinePassed(TimeoutError):
-    """A round trip that the call's deadline cut short, its request written: no answer
-    came from the server (an answer already on its way when the deadline passed, read
-    by the client's next turns of its event loop, is taken: the delay was the
-    client's)."""
+    """A round trip that the call's deadline cut short, its request on its way (its
+    connection being made, or it written): no answer came from the server (an answer
+    already on its way when the deadline passed, read by the client's next turns of its
+    event loop, is taken: the delay was the client's)."""
 
 
 class NotSent(d.QagBusy):
-    """The call's deadline passed before its request could be written: this process
-    was too busy (its event loop, its threads, its pool), not the server too slow. It
-    starts no back-off and is never answered by the policy."""
+    """The call's deadline passed before its request could be on its way (a connection
+    being made for it, or it written): this process was too busy (its event loop, its
+    threads, its pool), not the server too slow. It starts no back-off and is never
+    answered by the policy."""
 
 
 class Budget:
@@ -192,12 +196,13 @@ def spending(budget: Budget) -> Iterator[None]:
 
 
 class Trip:
-    """A call's time, on the layer's clock. Each request must be written by
-    ``queue_by``: until then the call waits on this process (a place in the pool, the
-    event loop, a thread), and past it has waited too long (NotSent). The first write
-    starts the server's time: every answer is due by ``answer_by``, ``window`` seconds
-    later (less where the request's budget has less left, never past ``latest``), and
-    ``wait`` more for a call the server may hold on purpose (``holding``)."""
+    """A call's time, on the layer's clock. Each request must be on its way by
+    ``queue_by`` (its connection being made, or it written): until then the call waits
+    on this process (a place in the pool, the event loop, a thread), and past it has
+    waited too long (NotSent). The first request on its way begins the server's time:
+    every answer is due by ``answer_by``, ``window`` seconds later (less where the
+    request's budget has less left, never past ``latest``), and ``wait`` more for a call
+    the server may hold on purpose (``holding``)."""
 
     def __init__(
         self,
@@ -210,9 +215,11 @@ class Trip:
         self.window = window
         self.latest = latest
         self.budget = budget
-        self.written_at: Optional[float] = None
+        self.begun_at: Optional[float] = None
         self.answer_by: Optional[float] = None
         self.wait = 0.0
+        # Whether the request's time left this call less than a deadline.
+        self.cut = False
 
     def holding(self, wait: float) -> None:
         """The server may hold the call up to ``wait`` seconds: its answers are due
@@ -223,49 +230,51 @@ class Trip:
 
     @property
     def due(self) -> float:
-        """When the call's present wait ends: its answer, or, not yet written, its
-        writing."""
+        """When the call's present wait ends: its answer, or, none on its way yet, the
+        first request's leaving."""
         return self.queue_by if self.answer_by is None else self.answer_by
 
-    def writing(self, now: float) -> None:
-        """A request is being written now (NotSent if too late for the first)."""
+    def begin(self, now: float) -> None:
+        """A request is on its way now: its connection is being made, or it is written
+        (NotSent if too late for the first)."""
         if self.answer_by is not None:
             return
         if now >= self.queue_by:
-            raise NotSent("the deadline passed before the request was written")
+            raise NotSent("the deadline passed before the request was on its way")
         window = self.window
         if self.budget is not None:
             window = min(window, self.budget.left + self.wait)
+            self.cut = window < self.window
         if window <= self.wait:  # the request waited its whole deadline on the server already
             raise DeadlinePassed("the request's deadline is spent")
-        self.written_at, self.answer_by = now, now + window
+        self.begun_at, self.answer_by = now, now + window
         if self.latest is not None:
             self.answer_by = min(self.answer_by, self.latest)
 
     def ended(self, now: float) -> None:
         """The call is done: what it waited on the server is taken from the budget (but
         for a wait it asked for: the server held it on purpose)."""
-        if self.budget is not None and self.written_at is not None:
-            spent = max(now - self.written_at - self.wait, 0.0)
+        if self.budget is not None and self.begun_at is not None:
+            spent = max(now - self.begun_at - self.wait, 0.0)
             self.budget.left = max(self.budget.left - spent, 0.0)
 
 
 class RoundTrip:
-    """One request on its way, kept by the connection it runs on (the layers'
-    connection classes tell it when the request is written)."""
+    """One request, kept by the connection it runs on (the layers' connection classes
+    tell it when it is on its way: its connection being made, or it written)."""
 
-    def __init__(self, trip: Trip, on_written: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, trip: Trip, on_begun: Optional[Callable[[], None]] = None) -> None:
         self.trip = trip
-        self.written = False
-        self._on_written = on_written
+        self.begun = False
+        self._on_begun = on_begun
 
-    def write(self, now: float) -> None:
-        if self.written:
+    def begin(self, now: float) -> None:
+        if self.begun:
             return
-        self.trip.writing(now)
-        self.written = True
-        if self._on_written is not None:
-            self._on_written()
+        self.trip.begin(now)
+        self.begun = True
+        if self._on_begun is not None:
+            self._on_begun()
 
 
 class Stopped(BaseException):
@@ -501,7 +510,12 @@ class Driver(Generic[LeaseT, ReservationT]):
 
         def make(name: str) -> Node:
             engine = Engine(*options)
-            base = client if cluster is None else self._node_client(cluster, name)
+            base = client
+            if cluster is not None:
+                # NO_OWNER sends no call (its probe asks a node of the table): its
+                # clients are made as a start-up node's.
+                address = self._startup[0] if name == NO_OWNER else name
+                base = self._node_client(cluster, address)
             epoch = Epoch()
 
             def connected(connection: Any) -> None:
@@ -861,18 +875,23 @@ class Driver(Generic[LeaseT, ReservationT]):
 
     def _node_for(self, keys: Sequence[str], routed: bool = True) -> Driven[Tuple[Node, Trip]]:
         """The node owning the keys' slot (QagCrossSlot across slots), and the call's
-        time, begun now: the slot table is read first, on that time, if the limiter has
-        none yet, and refreshed in the background when due."""
+        time, begun now: where the slot table names no owner, it is read first, on that
+        time (but during a back-off of the calls it did not route: one deadline a
+        back-off), and it is refreshed in the background when due. A call whose slot
+        still has no owner goes to ``NO_OWNER``, whose policy answers it (background
+        work: QagUnavailable, it tries again)."""
         shards = self._shards
         trip = self._trip(None, routed)
         name = shards.owner(keys)
-        if name is None:
+        if name is None and not (routed and shards.node(NO_OWNER).engine.keeping_to_policy):
             yield from self._refresh(trip)
             name = shards.owner(keys)
-            if name is None:
-                raise d.QagUnavailable("no node of the cluster serves the slot of " + keys[0])
         if shards.topology is not None and shards.start_refresh(time.monotonic()):
             self._spawn(self._refresh(), "qag-slots")
+        if name is None:
+            if not routed:
+                raise d.QagUnavailable("no node of the cluster serves the slot of " + keys[0])
+            name = NO_OWNER
         return shards.node(name), trip
 
     def _refresh(self, trip: Optional[Trip] = None) -> Driven[None]:
@@ -907,15 +926,15 @@ class Driver(Generic[LeaseT, ReservationT]):
         wait: Optional[float] = None,
     ) -> Driven[T]:
         """Runs a flow on the call's ``trip`` (a new one if not given; ``limit``: within
-        that many seconds from now instead): its requests written within the queue time
-        (waiting for a place in the pool, for the event loop or a thread: QagBusy past
-        it, the client's own overload: no back-off, no policy), their answers within
-        the deadline from the first write, connecting included (QagUnavailable past it
-        with no answer on its way: the server's, an outage). A routed call still
-        waiting for a connection when a back-off starts keeps to the policy (background
-        work is not routed: it waits on). A call the server may hold (``wait``) takes a
-        place in the node's pool for waiting calls, and its answers are due that much
-        later."""
+        that many seconds from now instead): its requests on their way within the queue
+        time (waiting for a place in the pool, for the event loop or a thread: QagBusy
+        past it, the client's own overload: no back-off, no policy), their answers
+        within the deadline from the first on its way (its connecting, or its writing;
+        QagUnavailable past it with no answer on its way: the server's, an outage). A
+        routed call still waiting for a connection when a back-off starts keeps to the
+        policy (background work is not routed: it waits on). A call the server may hold
+        (``wait``) takes a place in the node's pool for waiting calls, and its answers
+        are due that much later."""
         if trip is None:
             trip = self._trip(limit, routed)
         queue_by = trip.queue_by
@@ -925,6 +944,10 @@ class Driver(Generic[LeaseT, ReservationT]):
         gated = False
         try:
             request = next(flow)
+            if routed and node.name == NO_OWNER and self._shards.topology is not None:
+                # Nothing to send it to: an outage, its policy answers (its back-off starts).
+                flow.throw(d.QagUnavailable("no node of the cluster serves the call's slot"))
+                raise AssertionError("a flow went on after an outage")
             engine, generation = node.engine, node.engine.generation if routed else -1
             gated = gate.acquire_now(queue_by)
             if not gated:
@@ -938,7 +961,7 @@ class Driver(Generic[LeaseT, ReservationT]):
                 raise AssertionError("a flow went on without a connection")
             while True:
                 if self._now() >= trip.due:
-                    late = self._not_sent() if trip.answer_by is None else self._late()
+                    late = self._not_sent() if trip.answer_by is None else self._late(trip)
                     request = flow.throw(late)
                     continue
                 try:
@@ -948,9 +971,10 @@ class Driver(Generic[LeaseT, ReservationT]):
                     if isinstance(sorted_error, ConnectionDropped):
                         yield Dropped(node, trip.due, isinstance(sorted_error, Demoted))
                     if isinstance(sorted_error, d.QagUnavailable):
-                        self._shards.failed()
                         if isinstance(error, DeadlinePassed) or self._now() >= trip.due:
-                            sorted_error = self._late()
+                            sorted_error = self._late(trip)
+                        if not isinstance(sorted_error, TimeSpent):
+                            self._shards.failed()
                     request = flow.throw(sorted_error)
                 else:
                     request = flow.send(reply)
@@ -997,7 +1021,9 @@ class Driver(Generic[LeaseT, ReservationT]):
             "this process is overloaded (its event loop, threads or pool)"
         )
 
-    def _late(self) -> d.QagUnavailable:
+    def _late(self, trip: Trip) -> d.QagUnavailable:
+        if trip.cut:
+            return TimeSpent("no answer within what was left of the request's time")
         return d.QagUnavailable(f"no answer within the deadline of {self._deadline} s")
 
     def _busy(self) -> d.QagBusy:
@@ -1013,13 +1039,17 @@ class Driver(Generic[LeaseT, ReservationT]):
         closing, and one that ran across it closes what it connected."""
         if self._closed:
             return
+        server = node
+        if node.name == NO_OWNER and self._shards.topology is not None:
+            # The calls no node serves are probed on a node of the table, or a start-up one.
+            server = self._shards.node(self._shards.seeds(self._startup)[0])
         try:
             limit = probe_time(self._deadline, self._back_off)
-            yield from self._run(node, node.engine.probe(), routed=False, limit=limit)
+            yield from self._run(server, node.engine.probe(), routed=False, limit=limit)
         except d.QagError:  # the probe's outcome is the engine's to keep
             pass
         if self._closed:
-            yield Disconnect(node)
+            yield Disconnect(server)
 
     def _release_later(self, key: str, lease_id: str, started: float, ttl_ms: int) -> None:
         """An acquire may have taken the slot and did not return it: released in the
@@ -1164,20 +1194,10 @@ class LeaseGuard:
             self._renewals = limiter._spawn(self._renewing(), f"qag-lease {self.id}")
 
     def _release(self) -> Driven[bool]:
-        self._stop_renewals()
-        state, limiter = self._state, self._limiter
-        state.done = True
-        try:
-            node, at = yield from self._guard_node()
-            released = yield from limiter._run(node, node.engine.guard_release(state), at)
-        except d.QagError:
-            self._engine().background_failed()
-            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
-            raise
+        released = yield from self._give_back()
         if released is None:
-            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
             raise d.QagUnavailable("backing off: the lease is released in the background")
-        return released is True
+        return released
 
     def _abandon(self) -> None:
         """Left without its exit (the request interrupted before it could release the
@@ -1191,35 +1211,48 @@ class LeaseGuard:
             self._limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
 
     def _exit(self) -> Driven[None]:
-        self._stop_renewals()
-        state, limiter = self._state, self._limiter
-        if state.done:
+        if self._state.done:
+            self._stop_renewals()
             return
-        state.done = True
         try:
-            node, at = yield from self._guard_node()
-            if (yield from limiter._run(node, node.engine.guard_release(state), at)) is None:
-                # A back-off: released in the background, once Redis answers.
-                limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
-        except Exception as error:
-            self._engine().background_failed()
+            yield from self._give_back()
+        except d.QagError as error:
             log.warning(
-                "qag: the lease %s of %s was not released (its TTL frees it): %s",
+                "qag: the lease %s of %s was not released now (it is in the background): %s",
                 self.id,
                 self.key,
                 error,
             )
-        except BaseException:
-            if state.in_redis:  # interrupted on the way out: released in the background
+
+    def _give_back(self) -> Driven[Optional[bool]]:
+        """Releases the slot now, on a time of its own (what is left of a request's
+        deadline may be nothing): whether a live lease was released; None during a
+        back-off. A slot not released now (a back-off, the release failed: its error
+        raised, or interrupted) is released in the background, tried again until Redis
+        answers or the lease's TTL has passed."""
+        self._stop_renewals()
+        state, limiter = self._state, self._limiter
+        state.done = True
+        try:
+            node, at = yield from self._guard_node()
+            released = yield from limiter._run(node, node.engine.guard_release(state), at)
+        except BaseException as error:
+            if isinstance(error, d.QagError):
+                self._engine().background_failed()
+            if state.in_redis:
                 limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
             raise
+        if released is None:
+            limiter._release_later(self.key, self.id, time.monotonic(), state.ttl_ms)
+        return released
 
     def _guard_node(self) -> Driven[Tuple[Node, Trip]]:
         """A lease the policy answered is given back where it was counted; one held in
-        Redis on the node owning its key now."""
+        Redis on the node owning its key now. Either on a time of its own, as
+        background work's (spending no request's budget)."""
         if self._node is not None and not self._state.in_redis:
-            return self._node, self._limiter._trip(None, True)
-        return (yield from self._limiter._node_for([self.key]))
+            return self._node, self._limiter._trip(None, False)
+        return (yield from self._limiter._node_for([self.key], routed=False))
 
     def _engine(self) -> Engine:
         assert self._node is not None

@@ -183,6 +183,12 @@ def _sorted(error: BaseException) -> BaseException:
     return ConnectionDropped(f"the connection failed: {type(error).__name__}: {text}")
 
 
+class TimeSpent(QagUnavailable):
+    """No answer within what was left of the call's request's time, less than a
+    deadline: a slow request, not yet an outage (a call with a whole deadline says
+    that). The policy answers it; no back-off starts."""
+
+
 class Overtaken(QagError):
     """A back-off began while the call waited for a connection: the call keeps to the
     policy, as every call of the back-off does, without touching Redis."""
@@ -399,6 +405,12 @@ class Engine:
             return self.outage.backing_off(self.monotonic())
 
     @property
+    def keeping_to_policy(self) -> bool:
+        """No call goes to Redis now: a back-off runs (its probe due or out included)."""
+        with self._lock:
+            return self.outage.until is not None
+
+    @property
     def counting_locally(self) -> bool:
         return self.on_unavailable == "local" and self.backing_off
 
@@ -468,6 +480,8 @@ class Engine:
             return self._by_policy(fallback, None)
         try:
             answer = yield from in_redis
+        except TimeSpent as error:
+            return self._by_policy(fallback, error)
         except QagUnavailable as error:
             with self._lock:
                 self.presence = "unknown"  # a restart or failover: ask the next server

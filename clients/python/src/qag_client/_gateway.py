@@ -25,9 +25,7 @@ thrown in; the middleware runs it with awaits or blocking calls.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,6 +59,7 @@ from .decisions import (
     QuotaDecision,
     Scope,
     TakenWithQuota,
+    new_id,
     reserve_words,
     wait_words,
 )
@@ -340,15 +339,6 @@ class Call:
 Step = Generator[Call, Any, Any]
 Fields = List[Tuple[str, str]]
 
-_PROCESS = f"{os.getpid():x}-{time.time_ns():x}"
-_NEXT = itertools.count()
-
-
-def unique_id() -> str:
-    """An id unique to this process's requests (the process and its start, then a
-    count): never a caller's text, so two requests can never share a slot."""
-    return f"{_PROCESS}-{next(_NEXT):x}"
-
 
 class Limiting:
     """One request on its way through the limits."""
@@ -357,7 +347,9 @@ class Limiting:
         self.config = config
         # What its calls may wait on Redis, all of them together: one deadline.
         self.budget = Budget(config.deadline)
-        self.id = unique_id()
+        # Its own id (its slot's lease id; its request id where none was given): this
+        # process's, never a caller's text, so two requests can never share a slot.
+        self.id = new_id()
         given = parts.headers.get("x-request-id", "")
         self.request_id = given if 0 < len(given) <= 128 else self.id
         self.api_key = config.api_key(parts)
@@ -404,6 +396,8 @@ class Limiting:
         self.chain: Optional[Admission] = None
         self.hold: Any = None
         self.admitted: Optional[Admitted] = None
+        # The fields the response started with (the call counted in the quota then).
+        self._started: Optional[Fields] = None
         self._ended = False
 
     def admit(self) -> Step:
@@ -598,7 +592,10 @@ class Limiting:
 
     def started(self) -> Step:
         """The response starts: the call and the rows reported so far are added to the
-        quota; returns the header fields to add to the response."""
+        quota; returns the header fields to add to the response. Once: a response
+        started again (a WSGI app replacing it, ``exc_info``) gets the same fields."""
+        if self._started is not None:
+            return self._started
         quota_after = self.quota
         quota = self.limits.quota
         if self.quota_key is not None and quota is not None and self.admitted is not None:
@@ -611,7 +608,8 @@ class Limiting:
                 if self.quota is not None:
                     quota_after = self.quota.after(usage)
         # Admitted: a refusal a limit in shadow let through asks no wait.
-        return [pair for pair in self._headers(quota_after) if pair[0] != "retry-after"]
+        self._started = [pair for pair in self._headers(quota_after) if pair[0] != "retry-after"]
+        return self._started
 
     def ended(self) -> Step:
         """The response ended (its last body message, the client gone, or the app

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import redis
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
     P = ParamSpec("P")
 
-# The running round trip (per thread): its call's times, whether it was written.
+# The running round trip (per thread): its call's times, whether it is on its way.
 _ROUND_TRIP: ContextVar[Optional[driver.RoundTrip]] = ContextVar("qag_round_trip", default=None)
 _BOUNDED: Dict[type, type] = {}
 
@@ -33,31 +34,78 @@ def _time_left() -> Optional[float]:
     return max(round_trip.trip.due - time.monotonic(), 0.001)
 
 
+class _Connecting(threading.Thread):
+    """A connection's connect on a daemon thread of its own, in the context of the call
+    that began it (its round trip): a name lookup has no timeout, so only waiting for
+    this thread bounds it. ``error``: what the connect raised."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        super().__init__(name="qag-connect", daemon=True)
+        self._connect = connect
+        self._context = copy_context()
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self._context.run(self._connect)
+        except BaseException as error:  # raised in the waiting call
+            self.error = error
+
+
+def _connect_within(connection: Any, connect: Callable[[], Any]) -> None:
+    """Runs ``connect`` (the connection's own), waiting for it no longer than the
+    running call's time left (redis-py's TimeoutError past it). One a call stopped
+    waiting for runs on, and the connection's next connect waits for it first (a
+    connection is connected by one thread at a time)."""
+    earlier = connection.qag_connecting
+    if earlier is not None:
+        earlier.join(_time_left())
+        if earlier.is_alive():
+            raise redis.exceptions.TimeoutError("Timeout connecting to server")
+    connecting = connection.qag_connecting = _Connecting(connect)
+    connecting.start()
+    connecting.join(_time_left())
+    if connecting.is_alive():
+        raise redis.exceptions.TimeoutError("Timeout connecting to server")
+    connection.qag_connecting = None
+    if connecting.error is not None:
+        raise connecting.error
+
+
 def _bounded(connection_class: type) -> type:
-    """``connection_class`` whose connecting (socket and handshake), sending and reading
-    are bounded by what is left of the running call's time, and that tells the round
-    trip when its request is written (NotSent if too late)."""
+    """``connection_class`` whose connecting (the name lookup, the socket and the
+    handshake), sending and reading are bounded by what is left of the running call's
+    time, and that tells the round trip when its request is on its way: its connection
+    being made, or it sent (NotSent if too late)."""
     if connection_class in _BOUNDED:
         return _BOUNDED[connection_class]
     base: Any = connection_class
 
     class Bounded(base):  # type: ignore[misc]
+        # A connect still running for a call that stopped waiting for it.
+        qag_connecting: Optional[_Connecting] = None
+
         def connect(self, *args: Any, **kwargs: Any) -> Any:
-            left = _time_left()
-            if left is None:
+            round_trip = _ROUND_TRIP.get()
+            if round_trip is None:
                 return super().connect(*args, **kwargs)
+            round_trip.begin(time.monotonic())
+            _connect_within(self, partial(self._connect_timed, super().connect, *args, **kwargs))
+
+        def _connect_timed(self, connect: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            """``connect`` with the socket's timeouts what is left of the call's time."""
             connection: Any = self
             saved = connection.socket_connect_timeout, connection.socket_timeout
-            connection.socket_connect_timeout = connection.socket_timeout = left
+            connection.socket_connect_timeout = connection.socket_timeout = _time_left()
             try:
-                return super().connect(*args, **kwargs)
+                connect(*args, **kwargs)
             finally:
                 connection.socket_connect_timeout, connection.socket_timeout = saved
 
         def send_packed_command(self, *args: Any, **kwargs: Any) -> Any:
             round_trip = _ROUND_TRIP.get()
             if round_trip is not None:
-                round_trip.write(time.monotonic())
+                round_trip.begin(time.monotonic())
             if driver.stale(self):  # made before its node was found demoted: made again
                 self.qag_epoch = None  # (the handshake's own commands send through here)
                 self.disconnect()
@@ -157,9 +205,10 @@ class Lease(driver.LeaseGuard):
     Entering takes the slot (QAG.LEASE) or raises QagRefused. A lease held in Redis is
     renewed every ttl/3 by a daemon thread while the block runs; ``lost`` turns true
     when a renewal finds it gone, or once it could not be confirmed within its TTL
-    (``last_error`` says why). Leaving the block releases it, exception or not (during
-    a back-off in the background, once Redis answers); a release that fails is counted
-    in ``limiter.counts.errors`` and logged, never raised (the TTL frees the slot).
+    (``last_error`` says why). Leaving the block releases it, exception or not, within
+    a deadline of its own (not a request's); during a back-off, or where that release
+    fails (counted in ``limiter.counts.errors`` and logged, never raised), in the
+    background, tried again until Redis answers or the TTL has passed.
     ``answered_by``: "module", or "local" / "forwarded"
     for a lease the policy answered (nothing in Redis; never renewed, never lost).
     """
@@ -252,7 +301,10 @@ class Limiter(driver.Driver["Lease", "Reservation"]):
 
     On a cluster every call goes to the node owning its keys' slot, on connections of
     the limiter's own made with the cluster client's settings; each node has its own
-    state: the module's presence, the back-off and the local counts.
+    state: the module's presence, the back-off and the local counts. A call whose slot
+    has no owner once the slot table is read (unserved, or the table unreadable within
+    the deadline) is an outage of the calls without an owner: answered by the policy,
+    and their back-off keeps the next ones from reading the table on their own time.
     """
 
     _cluster_class = RedisCluster

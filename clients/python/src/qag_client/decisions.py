@@ -397,9 +397,11 @@ class BucketCall:
 
 
 class _RequestIds:
-    """This process's default request ids: ``<16 hex chars chosen at random once>-<a
-    counter>``, e.g. ``9f86d081884c7d65-42``: no system call a call, and unique across a
-    fleet with high probability. A forked child chooses its own prefix."""
+    """This process's ids (the package's only source of them: its calls' default request
+    ids, the middleware's requests and their lease ids): ``<16 hex chars chosen at random
+    once>-<a counter>``, e.g. ``9f86d081884c7d65-42``: no system call an id, and unique
+    across a fleet with high probability. A forked child (a worker forked after the
+    package was imported) chooses its own prefix."""
 
     def __init__(self) -> None:
         self.restart()
@@ -416,12 +418,17 @@ class _RequestIds:
 _REQUEST_IDS = _RequestIds()
 
 
+def new_id() -> str:
+    """A new id of this process's, unique across a fleet and its forked workers."""
+    return _REQUEST_IDS.next()
+
+
 def request_id_of(given: Optional[str]) -> str:
     """The id a call that records spend sends (a quota add, a record, a reservation):
     the caller's (checked: 1 to 128 bytes in UTF-8), else a new one of this process's,
     so that a replay counts once."""
     checked = caller_id(given)
-    return _REQUEST_IDS.next() if checked is None else checked
+    return new_id() if checked is None else checked
 
 
 def caller_id(given: Optional[str]) -> Optional[str]:

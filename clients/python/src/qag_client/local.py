@@ -17,13 +17,19 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Generic, List, Optional, Sequence, Set, Tuple, TypeVar
 
 from .decisions import Admission, LeaseGrant, QuotaDecision, QuotaUsage, Scope
 
-# Keys tracked per kind before stale ones are dropped (a full bucket reads as a missing
-# one; a window or quota past its period counts nothing).
+# Keys tracked per kind (buckets, leases, quotas, windows: each of their maps), the
+# least recently written going first above it (a key gone reads as never seen); each
+# write drops a few stale ones first (a full bucket reads as a missing one; a lease run
+# out, a window or quota past its period counts nothing).
 PRUNE_ABOVE = 100_000
+# The most entries one write to a ``Recent`` map looks at for stale ones.
+PRUNE_STEP = 64
+
+V = TypeVar("V")
 
 
 def share_of(limit: int, share: float) -> int:
@@ -71,13 +77,50 @@ def refund(
     return math.floor(tokens), (tokens, ts)
 
 
+class Recent(Generic[V]):
+    """Entries by key, the most recently written last, bounded: each write drops the
+    oldest entries ``stale`` says are over (looking at most at ``PRUNE_STEP``, up to the
+    first that is not), then the oldest beyond ``keep`` entries. So no write does more
+    than a few steps, however many keys are tracked."""
+
+    def __init__(self, stale: Callable[[V, float], bool], keep: int = PRUNE_ABOVE) -> None:
+        self._entries: "OrderedDict[str, V]" = OrderedDict()
+        self._stale = stale
+        self._keep = keep
+
+    def get(self, key: str) -> Optional[V]:
+        return self._entries.get(key)
+
+    def put(self, key: str, entry: V, now: float) -> None:
+        entries = self._entries
+        entries[key] = entry
+        entries.move_to_end(key)
+        for _ in range(PRUNE_STEP):
+            oldest = next(iter(entries), None)
+            if oldest is None or not self._stale(entries[oldest], now):
+                break
+            del entries[oldest]
+        while len(entries) > self._keep:
+            entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+
 # A bucket: (tokens, ts), its count and its period.
 _Bucket = Tuple[Tuple[float, float], int, float]
 
 
-def _not_full(entry: _Bucket, now: float) -> bool:
+def _full(entry: _Bucket, now: float) -> bool:
+    """A bucket refilled to its count: it says nothing a missing one would not."""
     (tokens, ts), count, period = entry
-    return tokens + max(now - ts, 0.0) * count / period < count
+    return tokens + max(now - ts, 0.0) * count / period >= count
 
 
 class LocalBuckets:
@@ -86,30 +129,23 @@ class LocalBuckets:
     were left, at the time it said so; else full."""
 
     def __init__(self) -> None:
-        self._buckets: Dict[str, _Bucket] = {}
+        self._buckets: Recent[_Bucket] = Recent(_full)
         # Redis's last word on each bucket: kept through outages, never cleared.
-        self._seen: Dict[str, _Bucket] = {}
+        self._seen: Recent[_Bucket] = Recent(_full)
 
     def saw(self, key: str, count: int, period: float, left: int, now: float) -> None:
         """Redis answered that ``left`` whole tokens of ``count`` are left at ``now``."""
-        if len(self._seen) >= PRUNE_ABOVE and key not in self._seen:
-            # A bucket full again says nothing a fresh one would not.
-            self._seen = {k: entry for k, entry in self._seen.items() if _not_full(entry, now)}
-        self._seen[key] = ((float(left), now), count, period)
+        self._seen.put(key, ((float(left), now), count, period), now)
 
     def take(self, key: str, count: int, period: float, cost: int, now: float) -> List[int]:
         reply, state = take(count, period, cost, self._stored(key, count), now)
-        if len(self._buckets) >= PRUNE_ABOVE and key not in self._buckets:
-            self._buckets = {
-                k: entry for k, entry in self._buckets.items() if _not_full(entry, now)
-            }
-        self._buckets[key] = (state, count, period)
+        self._buckets.put(key, (state, count, period), now)
         return reply
 
     def refund(self, key: str, count: int, period: float, n: int, now: float) -> int:
         left, state = refund(count, period, n, self._stored(key, count), now)
         if state is not None:
-            self._buckets[key] = (state, count, period)
+            self._buckets.put(key, (state, count, period), now)
         return left
 
     def peek(self, key: str, count: int, period: float, cost: int, now: float) -> List[int]:
@@ -135,6 +171,11 @@ class LocalBuckets:
         return min(float(count), left * count / full), at
 
 
+def _run_out(seen: Tuple[int, float], now: float) -> bool:
+    """Leases Redis said were live that would all have run out by now."""
+    return seen[1] <= now
+
+
 class LocalLeases:
     """Live leases per key taken in this process (ids, so a retried id counts once),
     beside those Redis last said were live (``saw``): this process's share of them
@@ -143,14 +184,12 @@ class LocalLeases:
     def __init__(self) -> None:
         self._held: Dict[str, Set[str]] = {}
         # key -> (live, until: Unix seconds), Redis's last word.
-        self._seen: Dict[str, Tuple[int, float]] = {}
+        self._seen: Recent[Tuple[int, float]] = Recent(_run_out)
 
     def saw(self, key: str, live: int, ttl_ms: int, now: float) -> None:
         """Redis answered that ``live`` leases are held at ``now``, each for ``ttl_ms``
         at most from then."""
-        if len(self._seen) >= PRUNE_ABOVE and key not in self._seen:
-            self._seen = {k: seen for k, seen in self._seen.items() if seen[1] > now}
-        self._seen[key] = (live, now + ttl_ms / 1000)
+        self._seen.put(key, (live, now + ttl_ms / 1000), now)
 
     def _taken_before(self, key: str, share: float, now: float) -> int:
         """This process's share of the leases Redis last said were live, while they
@@ -164,10 +203,11 @@ class LocalLeases:
         self, key: str, lease_id: str, max_slots: int, share: float, now: float
     ) -> LeaseGrant:
         local_max = share_of(max_slots, share)
-        held = self._held.setdefault(key, set())
+        held = self._held.get(key, set())
         taken = self._taken_before(key, share, now)
         if lease_id in held or taken + len(held) < local_max:
             held.add(lease_id)
+            self._held[key] = held  # a key is kept while it holds a lease
             return LeaseGrant(True, taken + len(held), 0, "local")
         return LeaseGrant(False, taken + len(held), 1, "local")
 
@@ -277,8 +317,10 @@ class LocalQuotas:
         share: float,
     ) -> QuotaDecision:
         """Allowed while this process's adds are below its allowance of what was left:
-        ``floor((limit - last count seen) * share)``."""
-        known = self._current(key, per, tz, now)
+        ``floor((limit - last count seen) * share)``. Remembers nothing new."""
+        known = self._keys.get(key)
+        if known is None or (known.resets_at and now >= known.resets_at):
+            known = _QuotaCounts(period_end(per, tz, now))
         allowed = True
         remaining: List[Optional[int]] = []
         for limit, seen, added in (
@@ -336,6 +378,16 @@ class LocalQuotas:
         )
 
 
+# A scope's window: (window length, window number, requests, tokens).
+_Window = Tuple[int, int, int, int]
+
+
+def _window_over(entry: _Window, now: float) -> bool:
+    """The entry's own window has passed (whatever the length of the call's)."""
+    length, number, _, _ = entry
+    return now >= (number + 1) * length
+
+
 class LocalWindows:
     """Requests and tokens per scope key in fixed windows of the call's length, aligned
     to the clock (window n holds [n * window, (n + 1) * window)). A scope's window
@@ -344,21 +396,18 @@ class LocalWindows:
     that), else from nothing."""
 
     def __init__(self) -> None:
-        # key -> (window length, window number, requests, tokens)
-        self._scopes: Dict[str, Tuple[int, int, int, int]] = {}
+        # key -> its window as counted here.
+        self._scopes: Recent[_Window] = Recent(_window_over)
         # key -> reservation id -> (tokens held, until: Unix seconds)
         self._holds: Dict[str, Dict[str, Tuple[int, float]]] = {}
-        # key -> (window length, window number, requests used, tokens used), Redis's
-        # last word.
-        self._seen: Dict[str, Tuple[int, int, int, int]] = {}
+        # key -> its window as Redis last said it (requests and tokens used).
+        self._seen: Recent[_Window] = Recent(_window_over)
 
     def saw(self, scopes: Sequence[Scope], window: int, now: float, admission: Admission) -> None:
         """Redis admitted (or refused) a request on ``scopes``: what it said was left,
         the least over the chain, is at most what each scope has left (so a scope that
         had more left begins stricter than it was)."""
         number = math.floor(now / window)
-        if len(self._seen) >= PRUNE_ABOVE:
-            self._seen = {k: seen for k, seen in self._seen.items() if seen[1] >= number}
         for scope in scopes:
             used = []
             for limit, left in (
@@ -366,7 +415,7 @@ class LocalWindows:
                 (scope.tpm, admission.tokens_remaining),
             ):
                 used.append(max(limit - left, 0) if limit and left is not None else 0)
-            self._seen[scope.key] = (window, number, used[0], used[1])
+            self._seen.put(scope.key, (window, number, used[0], used[1]), now)
 
     def _held(self, key: str, now: float) -> int:
         """The tokens the key's open reservations hold (those past their time dropped)."""
@@ -395,17 +444,12 @@ class LocalWindows:
         seen = self._seen.get(key)
         if seen is not None and seen[0] == window and seen[1] == number:
             used = (math.ceil(seen[2] * share), math.ceil(seen[3] * share))
-            self._scopes[key] = (window, number, *used)
+            self._scopes.put(key, (window, number, *used), now)
 
     def _add(self, key: str, window: int, now: float, requests: int, tokens: int) -> None:
         counted, charged = self._counts(key, window, now)
-        if len(self._scopes) >= PRUNE_ABOVE and key not in self._scopes:
-            self._scopes = {
-                k: entry
-                for k, entry in self._scopes.items()
-                if entry[1] == math.floor(now / entry[0])
-            }
-        self._scopes[key] = (window, math.floor(now / window), counted + requests, charged + tokens)
+        number = math.floor(now / window)
+        self._scopes.put(key, (window, number, counted + requests, charged + tokens), now)
 
     def admit(
         self,
