@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from redis.retry import Retry
 REPOSITORY = Path(__file__).resolve().parents[3]
 MODULE = Path(os.environ.get("QAG_MODULE", REPOSITORY / "target/release/libqag.so"))
 SERVER = os.environ.get("REDIS_SERVER", "redis-server")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples/fastapi_gateway.py"
 
 
 def free_port() -> int:
@@ -394,3 +396,31 @@ def make_limiter(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]
     yield make
     for blocking in made:
         blocking.close()
+
+
+class Gateway:
+    """examples/fastapi_gateway.py as a program (uvicorn inside) on ``server`` (or the
+    Redis at a URL: a fault proxy's), its log (warnings: a 503, a quota add that failed)
+    in ``log`` where given, killed by ``stop``."""
+
+    def __init__(
+        self, server: Union[Server, str], flags: List[str], log: Optional[Path] = None
+    ) -> None:
+        redis_url = server if isinstance(server, str) else server.url
+        self.process = subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--redis", redis_url, "--listen", "127.0.0.1:0"] + flags,
+            stdout=subprocess.PIPE,
+            stderr=None if log is None else log.open("w"),
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line.startswith("listening on "), f"the gateway said {line!r}"
+        self.base = f"http://{line.strip().removeprefix('listening on ')}"
+
+    def url(self, query: str) -> str:
+        return f"{self.base}/v1/query?{query}"
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()

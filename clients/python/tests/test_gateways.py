@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,38 +25,10 @@ import http_sfv
 import httpx
 import pytest
 
-from conftest import REPOSITORY, Server
+from conftest import EXAMPLE, REPOSITORY, Gateway, Server
 from fault_proxy import FaultProxy
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples/fastapi_gateway.py"
-
 Answer = Tuple[int, List[str], str]
-
-
-class Gateway:
-    """The example on ``server`` (or the Redis at a URL: a fault proxy's)."""
-
-    def __init__(
-        self, server: Union[Server, str], flags: List[str], log: Optional[Path] = None
-    ) -> None:
-        redis_url = server if isinstance(server, str) else server.url
-        self.process = subprocess.Popen(
-            [sys.executable, str(EXAMPLE), "--redis", redis_url, "--listen", "127.0.0.1:0"] + flags,
-            stdout=subprocess.PIPE,
-            stderr=None if log is None else log.open("w"),
-            text=True,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line.startswith("listening on "), f"the gateway said {line!r}"
-        self.base = f"http://{line.strip().removeprefix('listening on ')}"
-
-    def url(self, query: str) -> str:
-        return f"{self.base}/v1/query?{query}"
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
 
 
 @pytest.fixture

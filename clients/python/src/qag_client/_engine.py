@@ -120,6 +120,10 @@ Flow = Generator[Request, Any, T]
 # redis-py's words for a pool with no free connection (ConnectionPool, and
 # BlockingConnectionPool after its timeout): back-pressure, not an outage.
 _POOL_EXHAUSTED = ("Too many connections", "No connection available.")
+# redis-py's words (a plain RedisError, not a reply) for a pooled connection already
+# closed under it (5.0's ensure_connection reading a closed buffer): the connection
+# dropped, as redis-py 6 and later say with an OSError.
+_CLOSED_UNDER_IT = ("Buffer is closed.",)
 
 
 def sort_error(error: BaseException) -> BaseException:
@@ -171,6 +175,8 @@ def _sorted(error: BaseException) -> BaseException:
     # "... command doesn't exist in Redis commands" for a command no node knows.
     if "unknown command" in lowered or "command doesn't exist" in lowered:
         return UnknownCommand(text)
+    if type(error) is errors.RedisError and text in _CLOSED_UNDER_IT:
+        return ConnectionDropped(text)
     if isinstance(error, errors.RedisError):
         if text.startswith(("LOADING", "CLUSTERDOWN", "MASTERDOWN", "TRYAGAIN")):
             return QagUnavailable(text)
