@@ -2,13 +2,17 @@
 own (so the server behind it can be restarted on its port), that does to the traffic what
 a network and a failing server do, when told: replies delayed, a reply swallowed after
 the command ran (the connection closed instead), every connection reset, new connections
-refused. Threads, as the Rust tests' twin (tests/common/fault_proxy.rs)."""
+refused. Threads, as the Rust tests' twin (tests/common/fault_proxy.rs), in a process of
+their own: in the tests' process, copying every byte, they held its GIL long enough to
+delay a blocking call's wake-up 0.3 s past its deadline under CI's load."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import threading
 import time
+from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import List, Optional, Set, Type
 
@@ -45,9 +49,8 @@ class _Connection:
         return True
 
 
-class FaultProxy:
-    """A proxy to the server on ``target`` (127.0.0.1); ``port`` is its own. A context
-    manager: leaving it (or ``close``) resets every connection and stops the threads."""
+class _Proxy:
+    """The proxy's threads, in the proxy's process (see ``FaultProxy``)."""
 
     def __init__(self, target: int) -> None:
         self.target = target
@@ -70,17 +73,6 @@ class FaultProxy:
         self._accepting = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
         self._accepting.start()
 
-    def __enter__(self) -> "FaultProxy":
-        return self
-
-    def __exit__(
-        self,
-        kind: Optional[Type[BaseException]],
-        error: Optional[BaseException],
-        traceback: Optional[TracebackType],
-    ) -> None:
-        self.close()
-
     def delay(self, seconds: float) -> None:
         with self._lock:
             self._delay = seconds
@@ -91,9 +83,7 @@ class FaultProxy:
         with self._lock:
             self._swallow = replies
 
-    @property
     def swallowed(self) -> int:
-        """How many replies were swallowed so far."""
         with self._lock:
             return self._swallowed
 
@@ -211,3 +201,84 @@ def _shut_and_close(end: socket.socket) -> None:
     except OSError:
         pass
     end.close()
+
+
+def _serve(target: int, commands: Connection) -> None:
+    """The proxy's process: a ``_Proxy``, told what to do over ``commands``."""
+    proxy = _Proxy(target)
+    commands.send(proxy.port)
+    while True:
+        try:
+            name, arguments = commands.recv()
+        except EOFError:
+            name, arguments = "close", ()
+        commands.send(getattr(proxy, name)(*arguments))
+        if name == "close":
+            return
+
+
+class FaultProxy:
+    """A proxy to the server on ``target`` (127.0.0.1); ``port`` is its own. A context
+    manager: leaving it (or ``close``) resets every connection and stops the proxy's
+    process."""
+
+    def __init__(self, target: int) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded process
+        self._commands, theirs = context.Pipe()
+        self._asking = threading.Lock()  # one command and its answer at a time
+        self._process = context.Process(target=_serve, args=(target, theirs), daemon=True)
+        self._process.start()
+        self.port: int = self._commands.recv()
+
+    def __enter__(self) -> "FaultProxy":
+        return self
+
+    def __exit__(
+        self,
+        kind: Optional[Type[BaseException]],
+        error: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+    def _tell(self, name: str, *arguments: object) -> object:
+        with self._asking:
+            self._commands.send((name, arguments))
+            return self._commands.recv()
+
+    def delay(self, seconds: float) -> None:
+        """Each reply held this long before it is passed on."""
+        self._tell("delay", seconds)
+
+    def swallow(self, replies: int) -> None:
+        """The next ``replies`` replies (of any connection) are swallowed, each
+        connection that had one closed."""
+        self._tell("swallow", replies)
+
+    @property
+    def swallowed(self) -> int:
+        """How many replies were swallowed so far."""
+        return int(str(self._tell("swallowed")))
+
+    def reset_all(self) -> None:
+        """Every open connection reset."""
+        self._tell("reset_all")
+
+    def refuse(self, on: bool) -> None:
+        """New connections closed at once (and, when ``on``, the open ones reset)."""
+        self._tell("refuse", on)
+
+    def heal(self) -> None:
+        """No fault from now on."""
+        self._tell("heal")
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._tell("close")
+            except (EOFError, OSError):
+                pass
+        self._process.join(timeout=5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
