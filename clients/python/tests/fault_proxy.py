@@ -3,8 +3,8 @@ own (so the server behind it can be restarted on its port), that does to the tra
 a network and a failing server do, when told: replies delayed, a reply swallowed after
 the command ran (the connection closed instead), every connection reset, new connections
 refused. Threads, as the Rust tests' twin (tests/common/fault_proxy.rs), in a process of
-their own: in the tests' process, copying every byte, they held its GIL long enough to
-delay a blocking call's wake-up 0.3 s past its deadline under CI's load."""
+their own, so that copying every byte never takes the tests' GIL from the calls they
+time."""
 
 from __future__ import annotations
 
