@@ -238,9 +238,16 @@ def test_errors_sorted_busy_apart_from_outages() -> None:
         # redis-py 5.0's pooled connection closed under it (found by the fault test:
         # it was a QagServerError, answered by no policy).
         errors.RedisError("Buffer is closed."),
+        # A waiter let go by its primary's demotion (Redis 8).
+        errors.ResponseError(
+            "UNBLOCKED force unblock from blocking operation, instance state changed"
+            " (master -> replica?)"
+        ),
     ]:
         assert isinstance(sort_error(error), QagUnavailable), error
     assert not isinstance(sort_error(errors.ResponseError("Buffer is closed.")), QagUnavailable)
+    unblocked = errors.ResponseError("UNBLOCKED client unblocked via CLIENT UNBLOCK")
+    assert not isinstance(sort_error(unblocked), QagUnavailable)
 
 
 def test_local_leases_quotas_and_windows_count_this_processs_share() -> None:

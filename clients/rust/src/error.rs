@@ -134,7 +134,18 @@ pub(crate) enum Failure {
 /// A primary demoted by a failover, the connection still on it (READONLY): it ran
 /// nothing.
 pub(crate) fn demoted(error: &RedisError) -> bool {
-    error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+    error.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) || unblocked_by_demotion(error)
+}
+
+/// A waiting call the server let go as its primary became a replica (Redis 8: `UNBLOCKED
+/// force unblock from blocking operation, instance state changed (master -> replica?)`):
+/// a demotion, as READONLY is (found by the fault test on a cluster failing over; it was
+/// a server error no policy answered). An admin's `CLIENT UNBLOCK … ERROR` is not one.
+fn unblocked_by_demotion(error: &RedisError) -> bool {
+    error.code() == Some("UNBLOCKED")
+        && error
+            .detail()
+            .is_some_and(|detail| detail.contains("instance state changed"))
 }
 
 /// A connection that failed this way is of no more use: it broke, timed out, or
@@ -152,6 +163,7 @@ pub(crate) fn classify(error: &RedisError) -> Failure {
         // the server serves none; an outage until a probe finds it (or its address) a
         // primary again.
         ErrorKind::Server(ServerErrorKind::ReadOnly) => Failure::Error(Error::Unavailable(reason)),
+        _ if unblocked_by_demotion(error) => Failure::Error(Error::Unavailable(reason)),
         ErrorKind::Io
         | ErrorKind::ClusterConnectionNotFound
         | ErrorKind::Server(
@@ -236,6 +248,24 @@ mod tests {
         ] {
             assert_eq!(redacted(url), printed, "{url}");
         }
+    }
+
+    #[test]
+    fn a_waiter_let_go_by_a_demotion_is_an_outage() {
+        let demoted = server_error(
+            "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)",
+        );
+        assert!(super::demoted(&demoted));
+        assert!(matches!(
+            classify(&demoted),
+            Failure::Error(Error::Unavailable(_))
+        ));
+        let by_admin = server_error("UNBLOCKED client unblocked via CLIENT UNBLOCK");
+        assert!(!super::demoted(&by_admin));
+        assert!(matches!(
+            classify(&by_admin),
+            Failure::Error(Error::Server(_))
+        ));
     }
 
     #[test]

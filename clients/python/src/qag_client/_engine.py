@@ -145,6 +145,10 @@ def _sorted(error: BaseException) -> BaseException:
         return QagPermissionError(text)
     if isinstance(error, errors.ReadOnlyError) or text.startswith("READONLY"):
         return Demoted(text)
+    # A waiting call let go as its primary became a replica (Redis 8), not an admin's
+    # CLIENT UNBLOCK: a demotion, as READONLY is (the Rust fault test found it there).
+    if text.startswith("UNBLOCKED") and "instance state changed" in text:
+        return Demoted(text)
     if isinstance(error, errors.MaxConnectionsError) or (
         isinstance(error, errors.ConnectionError) and text in _POOL_EXHAUSTED
     ):
