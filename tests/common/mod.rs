@@ -342,6 +342,21 @@ impl Default for ClusterOptions {
     }
 }
 
+/// Three primaries with a replica each, for tests that fail a primary over: a node
+/// timeout of 2 s (with 1 s, nodes starved by the other suites took healthy nodes for
+/// failed: no failover within 7 s, CLUSTERDOWN on healthy shards), and serving without
+/// full coverage (else a failed primary takes the whole cluster down).
+pub fn start_failover_cluster() -> Vec<Server> {
+    start_cluster_of(&ClusterOptions {
+        replicas: true,
+        node_timeout_ms: 2000,
+        extra: ["--cluster-require-full-coverage", "no"]
+            .map(String::from)
+            .to_vec(),
+        ..Default::default()
+    })
+}
+
 /// A cluster as `cluster` says: the primaries first (in order), then their replicas
 /// (the replica of primary n at n + primaries), returned once every node reports the
 /// cluster ok and every replica is in sync.

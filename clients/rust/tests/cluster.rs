@@ -425,18 +425,7 @@ async fn shard_load<C: ConnectionLike + Clone + Send + Sync + 'static>(
 
 async fn failed_primary(stop: bool, policy: OnUnavailable) {
     let _alone = Cores::exclusive();
-    // A node timeout of 2 s: with 1 s, nodes starved by the other suites took healthy
-    // nodes for failed (no failover within 7 s, CLUSTERDOWN on healthy shards).
-    let mut nodes = start_cluster_of(&ClusterOptions {
-        replicas: true,
-        node_timeout_ms: 2000,
-        // A failed primary takes the whole cluster down (CLUSTERDOWN on every node)
-        // unless it may serve without full coverage.
-        extra: ["--cluster-require-full-coverage", "no"]
-            .map(String::from)
-            .to_vec(),
-        ..Default::default()
-    });
+    let mut nodes = start_failover_cluster();
     // A deadline generous enough for a healthy shard's calls on a loaded machine (this
     // test binary runs its clusters side by side): what is tested is that the failed
     // shard's calls end at it and the healthy shards' calls never fail.

@@ -221,14 +221,7 @@ async fn the_clients_promises_hold_on_a_cluster_under_a_random_schedule_of_fault
     // within their timeout.
     let _alone = Cores::exclusive();
     let seed = seed();
-    let nodes = start_cluster_of(&ClusterOptions {
-        replicas: true,
-        node_timeout_ms: 2000,
-        extra: ["--cluster-require-full-coverage", "no"]
-            .map(String::from)
-            .to_vec(),
-        ..Default::default()
-    });
+    let nodes = start_failover_cluster();
     let urls: Vec<String> = nodes
         .iter()
         .map(|node| format!("redis://127.0.0.1:{}/", node.port))
@@ -440,28 +433,12 @@ where
             0 => {
                 let answer = limiter.take(&bucket, 1).await;
                 took(&record, "take", sent, DEADLINE);
-                match answer {
-                    Ok(decision) if decision.allowed => record.push(Seen::Allowed {
-                        bucket: BUCKET.0,
-                        sent,
-                        received: Instant::now(),
-                    }),
-                    Ok(_) => {}
-                    Err(error) => record.push(Seen::Failed(error)),
-                }
+                taken(&record, BUCKET.0, sent, answer);
             }
             1 => {
                 let answer = waiting.take(&waited, 1).await;
                 took(&record, "waiting take", sent, DEADLINE + WAIT);
-                match answer {
-                    Ok(decision) if decision.allowed => record.push(Seen::Allowed {
-                        bucket: WAITING.0,
-                        sent,
-                        received: Instant::now(),
-                    }),
-                    Ok(_) => {}
-                    Err(error) => record.push(Seen::Failed(error)),
-                }
+                taken(&record, WAITING.0, sent, answer);
             }
             2 => {
                 let answer = limiter.quota_check(QUOTA.0, &quota()).await;
@@ -577,6 +554,24 @@ fn quota() -> Quota {
         zone: "UTC".into(),
         calls: Some(QUOTA.1),
         rows: None,
+    }
+}
+
+/// A take's answer as the callers saw it.
+fn taken(
+    record: &Record,
+    bucket: &'static str,
+    sent: Instant,
+    answer: Result<qag_client::Decision, Error>,
+) {
+    match answer {
+        Ok(decision) if decision.allowed => record.push(Seen::Allowed {
+            bucket,
+            sent,
+            received: Instant::now(),
+        }),
+        Ok(_) => {}
+        Err(error) => record.push(Seen::Failed(error)),
     }
 }
 
