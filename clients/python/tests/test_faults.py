@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, List, Optional, Tuple, Union
 
 import httpx
+import pytest
 import redis
 import redis.asyncio
 
@@ -189,8 +190,12 @@ def seconds() -> float:
     return float(os.environ.get("QAG_FAULT_SECONDS", "12"))
 
 
+# Its verdicts time the callers, so it runs alone: beside the other suites in CI, a blocking
+# admit (0.99 s) and a gateway's request (1.41 s), in two processes, overran together and
+# ended within 50 ms of each other: the machine's stall, not the client's.
+@pytest.mark.cores
 def test_the_clients_promises_hold_under_a_random_schedule_of_faults(
-    start_server: Callable[..., Server], timing: None, tmp_path: Path
+    start_server: Callable[..., Server], tmp_path: Path
 ) -> None:
     given = os.environ.get("QAG_FAULT_SEED")
     seed = int(given) if given else random.getrandbits(63)
