@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
@@ -72,13 +73,9 @@ def test_a_stopped_server_costs_one_deadline_per_back_off(
     assert pair.answered_by == "local" and pair.refused_by == "client" and pair.key is None
 
     os.kill(server.process.pid, signal.SIGCONT)
-    time.sleep(1.0)  # the back-off ends: the next call starts the probe
-    assert local.take(Bucket("qag:local", 5, 3600)).answered_by == "local"
-    assert local.counts.local == 8
-    with pytest.raises(QagUnavailable, match="backing off"):
-        strict.take(Bucket("qag:strict", 5, 3600))
-    # Every call keeps to the policy until the probe (the limiter's own COMMAND INFO)
-    # has answered; none waits for it, nor for a deadline.
+    # Every call keeps to the policy until the back-off's prober (its PING, then the
+    # limiter's own COMMAND INFO) finds the server answering, by itself; none waits for
+    # it, nor for a deadline.
     assert until_redis(lambda: local.take(Bucket("qag:local", 5, 3600))) < DEADLINE / 2
     assert not local.counting_locally
     assert until_redis(lambda: strict.take(Bucket("qag:strict", 5, 3600))) < DEADLINE / 2
@@ -119,9 +116,58 @@ def test_a_waiting_call_on_a_stopped_server_costs_its_wait_and_one_deadline(
     assert time.monotonic() - started < DEADLINE / 2
     assert (decision.answered_by, decision.allowed) == ("local", False)
     os.kill(server.process.pid, signal.SIGCONT)
-    time.sleep(1.0)  # the back-off ends: the next call starts the probe
     until_redis(lambda: limiter.take(other))
     assert server.client().info("qag")["qag_waiters"] == 0
+
+
+def test_after_a_quiet_back_off_the_first_burst_is_answered_by_redis(
+    start_server: Callable[..., Server], stop: Callable[[Server], None], timing: None
+) -> None:
+    """Issue 45: the back-off ends by itself. Its prober probes Redis in the background
+    whether calls come or not, so after an outage and a quiet period the first burst
+    (50 calls at once, threads of a Limiter, tasks of an AsyncLimiter) finds Redis
+    answering. (When only a call started the probe, the whole burst was answered by the
+    policy: 503s under "raise".)"""
+    server = start_server()
+    bucket = Bucket("qag:burst", 1000, 60)
+
+    def quiet_back_off(backing_off: Callable[[], bool]) -> None:
+        """The server stopped for 2.5 s and continued: the back-off ends without a call."""
+        stop(server)
+        time.sleep(2.5)
+        os.kill(server.process.pid, signal.SIGCONT)
+        continued = time.monotonic()
+        while backing_off():
+            assert time.monotonic() - continued < BACK_OFF + 1.0, "still backing off"
+            time.sleep(0.02)
+
+    limiter = Limiter(server.client(), deadline=DEADLINE, back_off=BACK_OFF)
+    assert limiter.take(bucket).answered_by == "module"
+    stop(server)
+    with pytest.raises(QagUnavailable, match="deadline"):
+        limiter.take(bucket)
+    quiet_back_off(lambda: limiter.backing_off)
+    with ThreadPoolExecutor(50) as pool:
+        answers = list(pool.map(lambda _: limiter.take(bucket).answered_by, range(50)))
+    assert answers == ["module"] * 50 and limiter.counts.errors == 1
+    limiter.close()
+
+    async def scenario() -> None:
+        limiter = AsyncLimiter(server.async_client(), deadline=DEADLINE, back_off=BACK_OFF)
+        assert (await limiter.take(bucket)).answered_by == "module"
+        stop(server)
+        with pytest.raises(QagUnavailable, match="deadline"):
+            await limiter.take(bucket)
+        # The event loop runs meanwhile (the prober is one of its tasks).
+        await asyncio.get_running_loop().run_in_executor(
+            None, quiet_back_off, lambda: limiter.backing_off
+        )
+        answers = await asyncio.gather(*(limiter.take(bucket) for _ in range(50)))
+        assert [answer.answered_by for answer in answers] == ["module"] * 50
+        assert limiter.counts.errors == 1
+        await limiter.aclose()
+
+    asyncio.run(scenario())
 
 
 def until_redis(call: Callable[[], Decision]) -> float:

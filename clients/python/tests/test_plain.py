@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from importlib import resources
 from typing import Any, Callable, List, Tuple
 
@@ -169,42 +170,100 @@ def test_bad_options_are_refused() -> None:
             Limiter(redis.Redis(port=1), **options)
 
 
-def test_one_probe_after_a_back_off_and_only_the_probe_ends_it() -> None:
-    from qag_client._policy import Outage, Route
+def test_a_back_off_is_probed_by_its_prober_and_only_the_probe_ends_it() -> None:
+    from qag_client._policy import Outage, Probe, Route
 
     outage = Outage(5.0)
-    assert outage.route(0.0) is Route.REDIS
+    assert outage.route() is Route.REDIS
     old = outage.generation  # a call sent before the outage
-    outage.failed(False, 1.0, "refused")
-    # The first probe is due soon: a restart measured in milliseconds costs 0.1 s.
-    assert outage.backing_off(1.0) and outage.route(1.09) is Route.POLICY
+    assert outage.failed(False, 1.0, "refused"), "the outage starts the prober"
+    # Calls keep to the policy whenever they come; the prober probes without them, the
+    # first probe soon: a restart measured in milliseconds costs 0.1 s.
+    assert outage.backing_off and outage.route() is Route.POLICY
+    assert outage.prober_step(1.0) == pytest.approx(0.1)
     assert not outage.answered(False, old), "a call sent before it does not end it"
-    outage.failed(False, 1.05, "refused")  # another call sent before it: nothing moves
-    assert outage.route(1.1) is Route.PROBE
-    assert outage.route(1.1) is Route.POLICY, "the others keep to the policy meanwhile"
-    assert outage.backing_off(60.0)
+    assert not outage.failed(False, 1.05, "refused"), "one sent before it: nothing moves"
+    assert outage.prober_step(1.1) is Probe.NOW
     # Each failed probe doubles the wait before the next, up to back_off.
-    at = 1.2
+    at = 1.1
     for wait in (0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0):
-        outage.failed(True, at, "timeout")
-        assert outage.route(at + wait - 0.01) is Route.POLICY
-        assert outage.route(at + wait) is Route.PROBE, wait
+        assert not outage.failed(True, at, "timeout")
+        assert outage.prober_step(at + wait - 0.01) == pytest.approx(0.01)
+        assert outage.prober_step(at + wait) is Probe.NOW, wait
         at += wait
-    outage.abandoned(True)  # cancelled: the next call probes
-    assert outage.route(at) is Route.PROBE
+    outage.deferred(at)  # no free connection: the next one later still
+    assert outage.prober_step(at) == pytest.approx(5.0)
+    # Long after, with no call meanwhile, the next probe is due at once.
+    assert outage.prober_step(at + 3600) is Probe.NOW
     assert outage.answered(True, outage.generation), "the probe answered: local state dropped"
-    assert outage.route(at) is Route.REDIS and not outage.backing_off(at)
-    # A new outage starts from the first probe's wait again.
-    outage.failed(False, 100.0, "refused")
-    assert outage.route(100.1) is Route.PROBE
+    assert outage.route() is Route.REDIS and not outage.backing_off
+    assert outage.prober_step(at) is Probe.END
+    # A new outage starts from the first probe's wait again, with a prober of its own.
+    assert outage.failed(False, 100.0, "refused")
+    assert outage.prober_step(100.0) == pytest.approx(0.1)
+    outage.prober_stopped()  # its limiter closed, or its task cancelled
+    assert outage.route() is Route.START_PROBER, "the next call starts another"
+    assert outage.route() is Route.POLICY
 
     never = Outage(0.0)
     generation = never.generation
-    never.failed(False, 1.0, "refused")
-    assert never.route(1.0) is Route.REDIS
+    assert not never.failed(False, 1.0, "refused")
+    assert never.route() is Route.REDIS
     assert not never.answered(False, generation)
     assert never.answered(False, never.generation), "the first call sent after it answered"
     assert not never.answered(False, never.generation)
+
+
+def test_one_prober_a_back_off_in_every_order_of_its_events() -> None:
+    """The events of a back-off's life, in every order up to 6 of them: the flag that says
+    a prober runs is true exactly while one runs (so at most one does), and a back-off
+    without one gets one at the next call."""
+    from qag_client._policy import Outage, Probe, Route
+
+    events = ("call fails", "call", "step", "probe fails", "probe busy", "probe answers", "stop")
+
+    def run(schedule: Tuple[str, ...]) -> None:
+        outage = Outage(5.0)
+        probers, probing = 0, False
+        for n, event in enumerate(schedule):
+            now = n * 0.1
+            if event == "call fails":
+                probers += outage.failed(False, now, "refused")
+            elif event == "call":
+                route = outage.route()
+                probers += route is Route.START_PROBER
+                assert (route is Route.REDIS) == (not outage.backing_off)
+            elif event == "step" and probers == 1 and not probing:
+                step = outage.prober_step(now)
+                if step is Probe.END:
+                    probers = 0
+                elif step is Probe.NOW:
+                    probing = True
+                else:
+                    assert 0 < step <= 5.0
+            elif event == "probe fails" and probing:
+                assert not outage.failed(True, now, "timeout")
+                probing = False
+            elif event == "probe busy" and probing:
+                outage.deferred(now)
+                probing = False
+            elif event == "probe answers" and probing:
+                assert outage.answered(True, outage.generation)
+                probers, probing = 0, False  # it ends at once
+            elif event == "stop" and probers == 1:
+                outage.prober_stopped()
+                probers, probing = 0, False
+            assert probers <= 1 and outage.prober == (probers == 1), schedule
+            if outage.backing_off and probers == 0:
+                assert outage.route() is Route.START_PROBER, schedule
+                probers = 1
+
+    tried = 0
+    for length in range(1, 7):
+        for schedule in itertools.product(events, repeat=length):
+            run(schedule)
+            tried += 1
+    assert tried == sum(7**n for n in range(1, 7))
 
 
 def test_a_repeated_log_line_is_written_once_a_second_with_what_it_left_out() -> None:

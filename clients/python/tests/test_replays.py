@@ -71,7 +71,11 @@ class Relay:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the server gone (a test's end): refused as it would be
+                _close(client)
+                continue
             with self._lock:
                 self._sockets += [client, upstream]
             losing = threading.Event()

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use qag_core::args::ArgError;
@@ -21,7 +21,7 @@ use crate::ids::{check_id, new_request_id};
 use crate::local::LocalState;
 use crate::mutex::lock;
 use crate::nodes::ClusterNodes;
-use crate::policy::{Counts, OnUnavailable, Outage, Route};
+use crate::policy::{Counts, OnUnavailable, Outage, ProberStep, Route};
 use crate::waiting::WaitConnections;
 
 /// The repository's token-bucket script, compiled in: the module's contract, one text.
@@ -82,7 +82,8 @@ pub struct Options {
     /// The longest wait between probes of Redis after a failure: the first probe comes
     /// 0.1 s after it, each that fails doubles the wait, up to this (zero: no back-off,
     /// every call tries Redis; a day at most). Calls keep to the policy until a probe
-    /// (in the background) has found Redis answering.
+    /// (the back-off's prober's, in the background, whether calls come or not) has found
+    /// Redis answering.
     pub back_off: Duration,
     /// This process's share of every limit under [`OnUnavailable::Local`]: 1/N for N
     /// gateway processes keeps a fleet near its limits during an outage. Above 1 counts
@@ -381,17 +382,70 @@ pub(crate) fn unix_micros() -> i64 {
         .map_or(0, |since| since.as_micros() as i64)
 }
 
-/// The probe's turn, given back if the probe's task is dropped before Redis answered
-/// (its runtime shut down).
-struct ProbeTurn<'a> {
-    node: &'a Node,
-    probe: bool,
+/// A back-off's prober, given back if its task is dropped before the back-off ended
+/// (its runtime shut down): the next call starts another.
+struct ProberTurn {
+    node: Weak<Node>,
+    running: bool,
 }
 
-impl Drop for ProbeTurn<'_> {
+impl Drop for ProberTurn {
     fn drop(&mut self) {
-        if self.probe {
-            lock(&self.node.outage).probe_abandoned();
+        if let (true, Some(node)) = (self.running, self.node.upgrade()) {
+            lock(&node.outage).prober_dropped();
+        }
+    }
+}
+
+/// The loop of [`Limiter::start_prober`].
+async fn prober<C: ConnectionLike + Clone + Send + 'static>(
+    mut turn: ProberTurn,
+    link: Weak<Link<C>>,
+    topology: Weak<Mutex<Topology>>,
+    options: Options,
+) {
+    let within = options
+        .back_off
+        .min(Duration::from_secs(2))
+        .max(options.deadline);
+    loop {
+        let (Some(node), Some(link)) = (turn.node.upgrade(), link.upgrade()) else {
+            return; // the limiter is gone
+        };
+        let step = lock(&node.outage).prober_step(Instant::now());
+        match step {
+            ProberStep::End => {
+                turn.running = false;
+                return;
+            }
+            ProberStep::Wait(wait) => {
+                drop((node, link));
+                tokio::time::sleep(wait.min(Duration::from_secs(1))).await;
+                continue;
+            }
+            ProberStep::Probe => {}
+        }
+        let ping = (link.ping)(link.con().0, node.name.clone());
+        let answer = match tokio::time::timeout(within, ping).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => probe_failed(&error),
+            Err(_) => Err(Error::Timeout),
+        };
+        match answer {
+            Ok(()) => {
+                turn.running = false;
+                if lock(&node.outage).answered() {
+                    lock(&node.local).clear();
+                }
+                return;
+            }
+            Err(error) => {
+                *lock(&node.presence) = Presence::Unknown;
+                if let Some(topology) = topology.upgrade() {
+                    lock(&topology).node_failed();
+                }
+                lock(&node.outage).failed(true, Instant::now(), options.back_off, &error);
+            }
         }
     }
 }
@@ -574,14 +628,14 @@ where
         self.options
     }
 
-    /// True while Redis is left alone after a failure (a back-off runs or its probe is
-    /// out; on a cluster, on some node): calls are answered by the policy.
+    /// True while Redis is left alone after a failure (a back-off runs, until its
+    /// prober's probe is answered; on a cluster, on some node): calls are answered by
+    /// the policy.
     pub fn backing_off(&self) -> bool {
-        let now = Instant::now();
         self.shared
             .all()
             .iter()
-            .any(|node| lock(&node.outage).backing_off(now))
+            .any(|node| lock(&node.outage).backing_off())
     }
 
     /// True while calls are decided in this process (`Local`, backing off).
@@ -623,7 +677,7 @@ where
     ) -> Result<Limiter<C>, Error> {
         self.first_table().await;
         let now = Instant::now();
-        let troubled = self.troubled(now);
+        let troubled = self.troubled();
         let (owner, refresh) = {
             let mut topology = lock(&self.shared.topology);
             if topology.kind == Kind::Cluster && troubled {
@@ -680,7 +734,7 @@ where
 
     /// Whether the slot table names a node that is backing off (its replica may have
     /// taken over: the table is read again).
-    fn troubled(&self, now: Instant) -> bool {
+    fn troubled(&self) -> bool {
         let nodes: Vec<(String, Arc<Node>)> = lock(&self.shared.nodes)
             .iter()
             .map(|(name, node)| (name.clone(), node.clone()))
@@ -688,23 +742,22 @@ where
         let topology = lock(&self.shared.topology);
         nodes
             .iter()
-            .any(|(name, node)| topology.names(name) && lock(&node.outage).backing_off(now))
+            .any(|(name, node)| topology.names(name) && lock(&node.outage).backing_off())
     }
 
     /// Runs one call under the outage policy: to Redis within the deadline unless a
-    /// back-off runs; an outage starts a back-off and is answered by the policy. The
-    /// call that finds a probe due starts it in the background and keeps to the policy
-    /// itself: no request waits for a probe.
+    /// back-off runs; an outage starts a back-off (and its prober) and is answered by
+    /// the policy: no request waits for a probe.
     pub(crate) async fn run<T: Answer>(
         &self,
         remote: impl std::future::Future<Output = Result<T, Error>>,
         instead: impl FnOnce(Instead<'_>) -> Option<T>,
     ) -> Result<T, Error> {
-        let route = lock(&self.node.outage).route(Instant::now());
+        let route = lock(&self.node.outage).route();
         let answer = match route {
-            Route::Policy | Route::Probe => {
-                if route == Route::Probe {
-                    self.start_probe();
+            Route::Policy | Route::StartProber => {
+                if route == Route::StartProber {
+                    self.start_prober();
                 }
                 let cause = lock(&self.node.outage).backing_off_error();
                 self.answer_instead(instead, cause)
@@ -742,53 +795,32 @@ where
     /// A call met an outage: a back-off starts (the slot table is read again).
     fn outage_met(&self, error: &Error) {
         lock(&self.shared.topology).node_failed();
-        lock(&self.node.outage).failed(false, Instant::now(), self.options.back_off, error);
+        let back_off = self.options.back_off;
+        if lock(&self.node.outage).failed(false, Instant::now(), back_off, error) {
+            self.start_prober();
+        }
     }
 
-    /// Asks this node whether it answers (PING), in a task of its own, with up to the
-    /// back-off (at most 2 s, at least the deadline) counted from its own start: the
+    /// The back-off's prober, a task of its own: when each probe is due it asks this
+    /// node whether it answers (PING), with up to the back-off (at most 2 s, at least
+    /// the deadline) counted from its own start, whether calls come or not. The
     /// server's answer (any reply, an error reply too, but an outage's) ends the back-off
-    /// and drops the local counts; anything else (no reply, a failure on this side)
-    /// puts the next probe twice as far off.
-    fn start_probe(&self) {
+    /// and drops the local counts; anything else (no reply, a failure on this side) puts
+    /// the next probe twice as far off. It holds the limiter weakly: a limiter dropped
+    /// meanwhile ends it at its next wake, at most a second later.
+    fn start_prober(&self) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            lock(&self.node.outage).probe_abandoned();
+            lock(&self.node.outage).prober_dropped();
             return;
         };
-        let node = self.node.clone();
-        let link = self.link.clone();
+        let turn = ProberTurn {
+            node: Arc::downgrade(&self.node),
+            running: true,
+        };
+        let link = Arc::downgrade(&self.link);
+        let topology = Arc::downgrade(&self.shared.topology);
         let options = self.options;
-        let topology = self.shared.topology.clone();
-        let within = options
-            .back_off
-            .min(Duration::from_secs(2))
-            .max(options.deadline);
-        drop(runtime.spawn(async move {
-            let mut turn = ProbeTurn {
-                node: &node,
-                probe: true,
-            };
-            let ping = (link.ping)(link.con().0, node.name.clone());
-            let answer = match tokio::time::timeout(within, ping).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(error)) => probe_failed(&error),
-                Err(_) => Err(Error::Timeout),
-            };
-            turn.probe = false;
-            match answer {
-                Ok(()) => {
-                    if lock(&node.outage).answered() {
-                        lock(&node.local).clear();
-                    }
-                }
-                Err(error) => {
-                    *lock(&node.presence) = Presence::Unknown;
-                    lock(&topology).node_failed();
-                    let now = Instant::now();
-                    lock(&node.outage).failed(true, now, options.back_off, &error);
-                }
-            }
-        }));
+        drop(runtime.spawn(prober(turn, link, topology, options)));
     }
 
     fn answer_instead<T>(

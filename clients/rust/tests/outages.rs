@@ -243,6 +243,52 @@ async fn an_outage_costs_one_deadline_per_back_off_under_every_policy() {
     }
 }
 
+/// The back-off ends by itself (issue 45): its prober probes Redis in the background
+/// whether calls come or not, so after an outage and a quiet period the first burst
+/// finds Redis answering. (When only a call started the probe, the whole burst was
+/// answered by the policy: 503s under `Raise`.)
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_quiet_back_off_the_first_burst_is_answered_by_redis() {
+    if external("after_a_quiet_back_off_the_first_burst_is_answered_by_redis") {
+        return;
+    }
+    let _timed = Cores::shared();
+    let server = Server::start(&ServerOptions::default());
+    let limiter = limiter(&server, Options::default()).await;
+    let bucket = Bucket::with_key("qag:burst", 1_000, 60.0);
+    assert!(limiter.take(&bucket, 1).await.unwrap().allowed);
+    let mut stopped = Stopped::new(&server);
+    assert_eq!(limiter.take(&bucket, 1).await, Err(Error::Timeout));
+    assert!(limiter.backing_off());
+    // No call from here: the prober's probes time out while the server is stopped, and
+    // the one out when it continues is answered.
+    std::thread::sleep(Duration::from_millis(2_500));
+    stopped.resume();
+    let resumed = Instant::now();
+    while limiter.backing_off() {
+        assert!(
+            resumed.elapsed() < Options::default().back_off,
+            "the back-off did not end by itself within a back-off of the server's return"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let burst: Vec<_> = (0..50)
+        .map(|_| {
+            let (limiter, bucket) = (limiter.clone(), bucket.clone());
+            tokio::spawn(async move { limiter.take(&bucket, 1).await })
+        })
+        .collect();
+    for call in burst {
+        let decision = call.await.unwrap().expect("answered by Redis");
+        assert_eq!(decision.answered_by, AnsweredBy::Module);
+    }
+    assert_eq!(
+        limiter.counts().errors,
+        1,
+        "only the call that met the outage"
+    );
+}
+
 /// A call that may wait cannot tell a stopped server from one holding it on purpose: it
 /// gives up after its wait and one deadline, then the policy answers it (locally: from
 /// Redis's last word, a drained bucket), and during the back-off every call, waiting or

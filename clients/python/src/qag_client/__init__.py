@@ -1,10 +1,12 @@
 """A gateway's client for qag (redis-py, blocking and asyncio).
 
 ``Limiter`` / ``AsyncLimiter`` call the module's QAG.* commands where the server has
-them and, for token buckets, the repository's ``lua/token_bucket.lua`` where it does
-not: the same keys, fields and replies as the Rust client (qag-client), so a budget is
+them and, where it does not, scripts for every family (token buckets, leases, quotas,
+windows; the token bucket's is the repository's ``lua/token_bucket.lua``): the same
+keys, fields and replies as the module and the Rust client (qag-client), so a budget is
 never split or doubled. When Redis fails, one policy for every family ("raise",
-"forward" or "local") with a back-off and one probe after it. Decisions, the policy,
+"forward" or "local") with a back-off that ends by itself: a prober in the background
+probes Redis until it answers. Decisions, the policy,
 header rendering and local counting are plain code (``decisions``, ``_engine``,
 ``_policy``, ``headers``, ``local``, ``naming``); both limiters are one driver
 (``_driver``), performed with blocking calls (``_sync``) or awaits (``_async``).

@@ -77,6 +77,7 @@ from ._engine import (
     sort_error,
     waiting_of,
 )
+from ._policy import Probe
 from ._script import (
     LEASE_LUA,
     QUOTA_LUA,
@@ -528,10 +529,10 @@ class Driver(Generic[LeaseT, ReservationT]):
             engine.on_outage = gate.interrupt
             node = Node(name, ((own, gate), waiting), engine, epoch)
 
-            def start_probe() -> None:
-                self._spawn(self._probe(node), f"qag-probe {name}")
+            def start_prober() -> None:
+                self._spawn(self._prober(node), f"qag-prober {name}")
 
-            engine.start_probe = start_probe
+            engine.start_prober = start_prober
             return node
 
         self._shards: Shards[Node] = Shards(make, cluster is not None)
@@ -580,7 +581,7 @@ class Driver(Generic[LeaseT, ReservationT]):
     @property
     def backing_off(self) -> bool:
         """True while calls keep to the policy (on a cluster: on some node): a back-off
-        runs, or its probe is out."""
+        runs, until its prober finds Redis answering."""
         return self._shards.backing_off()
 
     @property
@@ -883,7 +884,7 @@ class Driver(Generic[LeaseT, ReservationT]):
         shards = self._shards
         trip = self._trip(None, routed)
         name = shards.owner(keys)
-        if name is None and not (routed and shards.node(NO_OWNER).engine.keeping_to_policy):
+        if name is None and not (routed and shards.node(NO_OWNER).engine.backing_off):
             yield from self._refresh(trip)
             name = shards.owner(keys)
         if shards.topology is not None and shards.start_refresh(time.monotonic()):
@@ -1034,22 +1035,37 @@ class Driver(Generic[LeaseT, ReservationT]):
 
     # Background work.
 
-    def _probe(self, node: Node) -> Driven[None]:
-        """The probe after a back-off (``Engine.probe``), in its own time; none after
-        closing, and one that ran across it closes what it connected."""
-        if self._closed:
-            return
+    def _prober(self, node: Node) -> Driven[None]:
+        """The back-off's prober (``Engine.probe`` when each probe is due, each in its
+        own time), until a probe answers or the limiter closes; one that ran across
+        closing closes what it connected."""
+        engine = node.engine
+        ended = False
         server = node
-        if node.name == NO_OWNER and self._shards.topology is not None:
-            # The calls no node serves are probed on a node of the table, or a start-up one.
-            server = self._shards.node(self._shards.seeds(self._startup)[0])
         try:
-            limit = probe_time(self._deadline, self._back_off)
-            yield from self._run(server, node.engine.probe(), routed=False, limit=limit)
-        except d.QagError:  # the probe's outcome is the engine's to keep
-            pass
-        if self._closed:
-            yield Disconnect(server)
+            while not self._closed:
+                step = engine.prober_step()
+                if step is Probe.END:
+                    ended = True
+                    return
+                if step is not Probe.NOW:
+                    yield Sleep(step)  # closing stops it (a thread's wait, a task)
+                    continue
+                if node.name == NO_OWNER and self._shards.topology is not None:
+                    # The calls no node serves are probed on a node of the table, or a
+                    # start-up one.
+                    server = self._shards.node(self._shards.seeds(self._startup)[0])
+                limit = probe_time(self._deadline, self._back_off)
+                try:
+                    ended = yield from self._run(server, engine.probe(), routed=False, limit=limit)
+                except d.QagError:  # the probe's outcome is the engine's to keep
+                    pass
+                if ended:
+                    return
+        finally:
+            if not ended:
+                engine.prober_stopped()
+        yield Disconnect(server)
 
     def _release_later(self, key: str, lease_id: str, started: float, ttl_ms: int) -> None:
         """An acquire may have taken the slot and did not return it: released in the

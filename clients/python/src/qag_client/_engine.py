@@ -29,7 +29,7 @@ from typing import (
 )
 
 from . import decisions as d
-from ._policy import POLICIES, Outage, Route, Tally
+from ._policy import POLICIES, Outage, Probe, Route, Tally
 from .decisions import (
     Admission,
     BucketCall,
@@ -404,21 +404,17 @@ class Engine:
         # Told when an outage starts a back-off (the driver wakes calls waiting for a
         # connection: they keep to the policy instead).
         self.on_outage: Callable[[], None] = lambda: None
-        # Runs ``probe()`` in the background (a task, or a thread): every driver sets it.
-        self.start_probe: Callable[[], None] = lambda: None
+        # Runs the back-off's prober in the background (a task, or a thread): every
+        # driver sets it.
+        self.start_prober: Callable[[], None] = lambda: None
 
     # What the limiter reports.
 
     @property
     def backing_off(self) -> bool:
-        with self._lock:
-            return self.outage.backing_off(self.monotonic())
-
-    @property
-    def keeping_to_policy(self) -> bool:
         """No call goes to Redis now: a back-off runs (its probe due or out included)."""
         with self._lock:
-            return self.outage.until is not None
+            return self.outage.backing_off
 
     @property
     def counting_locally(self) -> bool:
@@ -442,9 +438,7 @@ class Engine:
         if generation < 0:
             return False
         with self._lock:
-            return self.outage.generation != generation and self.outage.backing_off(
-                self.monotonic()
-            )
+            return self.outage.generation != generation and self.outage.backing_off
 
     def background_failed(self) -> None:
         """A background release or renewal failed."""
@@ -476,16 +470,17 @@ class Engine:
 
     def _routed(self, in_redis: Flow[T], fallback: Fallback[T]) -> Flow[T]:
         """``in_redis`` unless the policy answers: during a back-off (no request at
-        all) or after the call met an outage. The call that finds a back-off over
-        keeps to the policy too and starts the probe: a request never waits for it,
-        and the probe's time is its own, not what is left of a request's deadline (in
-        a process busy answering a flood of requests by the policy, that was too little
-        and one failed probe kept the back-off going long after Redis was back)."""
+        all) or after the call met an outage. The outage that starts a back-off starts
+        its prober (``prober``), which probes Redis in its own time whether calls come or
+        not: a request never waits for a probe (in a process busy answering a flood of
+        requests by the policy, what is left of a request's deadline was too little for
+        one, and one failed probe kept the back-off going long after Redis was back), and
+        the first burst after a quiet period finds Redis answering if it is back."""
         with self._lock:
-            route = self.outage.route(self.monotonic())
+            route = self.outage.route()
             generation = self.outage.generation
-        if route is Route.PROBE:
-            self.start_probe()
+        if route is Route.START_PROBER:
+            self.start_prober()
         if route is not Route.REDIS:
             return self._by_policy(fallback, None)
         try:
@@ -495,7 +490,9 @@ class Engine:
         except QagUnavailable as error:
             with self._lock:
                 self.presence = "unknown"  # a restart or failover: ask the next server
-                self.outage.failed(False, self.monotonic(), str(error))
+                started = self.outage.failed(False, self.monotonic(), str(error))
+            if started:
+                self.start_prober()
             self.on_outage()
             return self._by_policy(fallback, error)
         except Overtaken:
@@ -514,39 +511,44 @@ class Engine:
             self.tally.count(getattr(answer, "answered_by", "module"))
         return answer
 
-    def probe(self) -> Flow[None]:
-        """The probe after a back-off, run by the driver in the background: PING, which
-        a server still loading its data or a replica cut off from its primary refuses
-        (LOADING, MASTERDOWN: an outage, as the calls would meet), then, with the "auto"
-        backend, whether it has the module (COMMAND INFO, which such a server answers),
-        so a restart that brought or took the module is seen at once. An answer, even
-        an error reply, ends the back-off; an outage starts the next one; a probe that
-        found no free connection or was cancelled lets the next call start another."""
+    def prober_step(self) -> Union[Probe, float]:
+        """The back-off's prober's next step: probe now, end, or wait that long."""
+        with self._lock:
+            return self.outage.prober_step(self.monotonic())
+
+    def prober_stopped(self) -> None:
+        with self._lock:
+            self.outage.prober_stopped()
+
+    def probe(self) -> Flow[bool]:
+        """One probe of the back-off's prober: PING, which a server still loading its
+        data or a replica cut off from its primary refuses (LOADING, MASTERDOWN: an
+        outage, as the calls would meet), then, with the "auto" backend, whether it has
+        the module (COMMAND INFO, which such a server answers), so a restart that brought
+        or took the module is seen at once. An answer, even an error reply, ends the
+        back-off (True: the prober ends); an outage puts the next probe twice as far off;
+        so does a probe that found no free connection (the process's own load)."""
         with self._lock:
             generation = self.outage.generation
-        settled = False
         try:
             yield from self._sent(Command(("PING",), probe=True), True)
             if self.backend == "auto":
                 self.forget_presence()
                 yield from self.path()
-            settled = True
         except QagUnavailable as error:
-            settled = True
             with self._lock:
                 self.presence = "unknown"
                 self.outage.failed(True, self.monotonic(), str(error))
             self.on_outage()
-            return
+            return False
         except QagBusy:
-            return
+            with self._lock:
+                self.outage.deferred(self.monotonic())
+            return False
         except QagError:
-            settled = True  # an error reply: Redis answered
-        finally:
-            if not settled:
-                with self._lock:
-                    self.outage.abandoned(True)
+            pass  # an error reply: Redis answered
         self._answered(True, generation)
+        return True
 
     def _answered(self, probe: bool, generation: int) -> None:
         with self._lock:

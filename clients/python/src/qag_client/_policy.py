@@ -1,13 +1,13 @@
 """What a limiter does when Redis fails, in one place for every family: which calls go
-to Redis (none during a back-off, one probe after it), and the counts of how calls
-were answered. Plain code: the clock is an argument. (The Rust client's policy.rs
+to Redis (none during a back-off, while its prober probes Redis), and the counts of how
+calls were answered. Plain code: the clock is an argument. (The Rust client's policy.rs
 follows the same rules.)"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .decisions import Counts
 
@@ -21,25 +21,34 @@ class Route(enum.Enum):
     """Where a call goes now."""
 
     REDIS = "redis"
-    # The one call that starts the probe of Redis after a back-off.
-    PROBE = "probe"
-    # Not to Redis: answered by the policy (a back-off runs, or the probe is out).
+    # Answered by the policy; no prober runs (none started, or it was stopped): this
+    # call starts one (in the background) and keeps to the policy.
+    START_PROBER = "start prober"
+    # Not to Redis: answered by the policy (a back-off runs, its prober probes).
     POLICY = "policy"
+
+
+class Probe(enum.Enum):
+    """What a back-off's prober does now (else it waits: ``prober_step`` says how long)."""
+
+    NOW = "probe now"
+    # The back-off is over: the prober ends.
+    END = "end"
 
 
 class Outage:
     """The back-off state of one limiter.
 
-    An outage starts a back-off: every call keeps to the policy, and Redis is probed,
-    first ``FIRST_PROBE`` after the outage (``back_off`` if sooner), then after twice as
-    long each time a probe fails, never more than ``back_off`` apart. When a probe is
-    due, the first call to arrive is routed to it (it starts the engine's probe and
-    keeps to the policy itself); the others keep to the policy until the probe has
-    answered. The probe that answers ends the back-off: a restart measured in
-    milliseconds costs about ``FIRST_PROBE`` of answers by the policy, not
-    ``back_off``. Only the probe ends a back-off (a call sent before it and answering
-    during it does not). With ``back_off`` 0 there is no back-off: every call goes to
-    Redis.
+    An outage starts a back-off: every call keeps to the policy, and Redis is probed by
+    a prober of its own in the background, first ``FIRST_PROBE`` after the outage
+    (``back_off`` if sooner), then after twice as long each time a probe fails, never
+    more than ``back_off`` apart, whether calls come or not: the first burst after a
+    quiet period finds Redis answering if it is back. The probe that answers ends the
+    back-off: a restart measured in milliseconds costs about ``FIRST_PROBE`` of answers
+    by the policy, not ``back_off``. Only the probe ends a back-off (a call sent before
+    it and answering during it does not). One prober a back-off: the outage that starts
+    the back-off starts it, and if it is stopped before the back-off ends, the next call
+    starts another. With ``back_off`` 0 there is no back-off: every call goes to Redis.
     """
 
     def __init__(self, back_off: float) -> None:
@@ -47,26 +56,37 @@ class Outage:
         # When the next probe is due (None: no back-off), and the wait before it.
         self.until: Optional[float] = None
         self.wait = 0.0
-        self.probing = False
+        # A prober runs for this back-off.
+        self.prober = False
         self.cause = ""
         # Outages so far, and how many of them an answer has cleared the local state of.
         self.generation = 0
         self._cleared = 0
 
-    def route(self, now: float) -> Route:
+    def route(self) -> Route:
         if self.until is None:
             return Route.REDIS
-        if now < self.until or self.probing:
+        if self.prober:
             return Route.POLICY
-        self.probing = True
-        return Route.PROBE
+        self.prober = True
+        return Route.START_PROBER
+
+    def prober_step(self, now: float) -> Union[Probe, float]:
+        """The prober's next step at ``now``: probe, end, or wait that many seconds."""
+        if self.until is None:
+            self.prober = False
+            return Probe.END
+        if now < self.until:
+            return self.until - now
+        return Probe.NOW
 
     def answered(self, probe: bool, generation: int) -> bool:
         """Redis answered (a reply or an error reply) a call routed at ``generation``:
-        true when the local state is to be dropped (the probe answered; without
-        back-off, the first call sent after the last outage answered)."""
+        true when the local state is to be dropped (the probe answered: the back-off
+        and its prober end; without back-off, the first call sent after the last
+        outage answered)."""
         if probe:
-            self.probing = False
+            self.prober = False
             self.until = None
             self.cause = ""
             self._cleared = self.generation
@@ -76,31 +96,40 @@ class Outage:
             return True
         return False
 
-    def failed(self, probe: bool, now: float, cause: str) -> None:
+    def failed(self, probe: bool, now: float, cause: str) -> bool:
         """Redis failed a call (an outage): a back-off starts, or, its probe failed, the
         next probe is twice as far off (a call sent before the back-off and failing
-        during it changes nothing)."""
+        during it changes nothing). True when the caller is to start the prober."""
         self.generation += 1
         if self.back_off <= 0:
-            return
+            return False
         if self.until is None:
             self.wait = min(FIRST_PROBE, self.back_off)
             self.until = now + self.wait
             self.cause = cause
-        elif probe:
-            self.probing = False
+            started, self.prober = not self.prober, True
+            return started
+        if probe:
             self.wait = min(self.wait * 2, self.back_off)
             self.until = now + self.wait
             self.cause = cause
+        return False
 
-    def abandoned(self, probe: bool) -> None:
-        """A call ended without Redis's answer or an outage (cancelled, busy): if it was
-        the probe, the next call probes."""
-        if probe:
-            self.probing = False
+    def deferred(self, now: float) -> None:
+        """The probe found no free connection (the process's own load, not Redis's): the
+        next one comes as after a failed probe, the cause kept."""
+        if self.until is not None:
+            self.wait = min(self.wait * 2, self.back_off)
+            self.until = now + self.wait
 
-    def backing_off(self, now: float) -> bool:
-        return self.until is not None and (now < self.until or self.probing)
+    def prober_stopped(self) -> None:
+        """The prober stopped before the back-off ended (cancelled, its limiter
+        closed): the next call starts another."""
+        self.prober = False
+
+    @property
+    def backing_off(self) -> bool:
+        return self.until is not None
 
     def backing_off_message(self) -> str:
         return f"Redis left alone: backing off after: {self.cause or 'an outage'}"
