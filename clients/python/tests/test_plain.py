@@ -220,7 +220,16 @@ def test_one_prober_a_back_off_in_every_order_of_its_events() -> None:
     without one gets one at the next call."""
     from qag_client._policy import Outage, Probe, Route
 
-    events = ("call fails", "call", "step", "probe fails", "probe busy", "probe answers", "stop")
+    events = (
+        "call fails",
+        "call",
+        "step",
+        "probe fails",
+        "probe busy",
+        "probe answers",
+        "stop",
+        "node forgotten",
+    )
 
     def run(schedule: Tuple[str, ...]) -> None:
         outage = Outage(5.0)
@@ -253,6 +262,9 @@ def test_one_prober_a_back_off_in_every_order_of_its_events() -> None:
             elif event == "stop" and probers == 1:
                 outage.prober_stopped()
                 probers, probing = 0, False
+            elif event == "node forgotten" and probers == 1 and not probing:
+                outage.forget()
+                probers = 0
             assert probers <= 1 and outage.prober == (probers == 1), schedule
             if outage.backing_off and probers == 0:
                 assert outage.route() is Route.START_PROBER, schedule
@@ -263,7 +275,7 @@ def test_one_prober_a_back_off_in_every_order_of_its_events() -> None:
         for schedule in itertools.product(events, repeat=length):
             run(schedule)
             tried += 1
-    assert tried == sum(7**n for n in range(1, 7))
+    assert tried == sum(8**n for n in range(1, 7))
 
 
 def test_a_repeated_log_line_is_written_once_a_second_with_what_it_left_out() -> None:

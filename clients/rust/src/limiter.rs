@@ -397,7 +397,8 @@ impl Drop for ProberTurn {
     }
 }
 
-/// The loop of [`Limiter::start_prober`].
+/// The loop of [`Limiter::start_prober`]: it ends when a probe is answered, when the
+/// limiter is dropped, and on a cluster when the slot table no longer names its node.
 async fn prober<C: ConnectionLike + Clone + Send + 'static>(
     mut turn: ProberTurn,
     link: Weak<Link<C>>,
@@ -412,6 +413,20 @@ async fn prober<C: ConnectionLike + Clone + Send + 'static>(
         let (Some(node), Some(link)) = (turn.node.upgrade(), link.upgrade()) else {
             return; // the limiter is gone
         };
+        if let Some(topology) = topology.upgrade() {
+            let topology = lock(&topology);
+            // "" is the node of calls no node of the table serves: never forgotten.
+            let named = node.name.is_empty() || topology.names(&node.name);
+            if topology.kind == Kind::Cluster && !named {
+                // A node the cluster's table no longer names (failed over, removed):
+                // never probed again, its back-off forgotten with it (else the limiter
+                // would say it backs off for as long as the node stays down).
+                turn.running = false;
+                lock(&node.outage).forget();
+                lock(&node.local).clear();
+                return;
+            }
+        }
         let step = lock(&node.outage).prober_step(Instant::now());
         match step {
             ProberStep::End => {

@@ -102,6 +102,13 @@ impl Outage {
     /// The probe found Redis answering (a reply or an error reply): the back-off is
     /// over (its prober ends); true when there was one.
     pub(crate) fn answered(&mut self) -> bool {
+        self.forget()
+    }
+
+    /// The back-off is forgotten (the node it is of is no longer in the cluster's
+    /// table: a table that names it again sends calls to it afresh); true when there
+    /// was one.
+    pub(crate) fn forget(&mut self) -> bool {
         self.prober = false;
         self.cause = None;
         self.until.take().is_some()
@@ -313,14 +320,16 @@ mod tests {
             ProbeFails,
             ProbeAnswers,
             ProberDropped,
+            NodeForgotten,
         }
-        const EVENTS: [Event; 6] = [
+        const EVENTS: [Event; 7] = [
             Event::CallFails,
             Event::Call,
             Event::Step,
             Event::ProbeFails,
             Event::ProbeAnswers,
             Event::ProberDropped,
+            Event::NodeForgotten,
         ];
         // The model: how many probers run, and whether the one that runs has a probe out.
         fn run(schedule: &[Event]) {
@@ -357,6 +366,10 @@ mod tests {
                         outage.prober_dropped();
                         (probers, probing) = (0, false);
                     }
+                    Event::NodeForgotten if probers == 1 && !probing => {
+                        assert!(outage.forget());
+                        probers = 0;
+                    }
                     _ => {} // not a possible event now
                 }
                 assert!(probers <= 1, "{schedule:?}");
@@ -369,7 +382,7 @@ mod tests {
         }
         let mut schedules: Vec<Vec<Event>> = vec![Vec::new()];
         let mut tried = 0;
-        for _ in 0..7 {
+        for _ in 0..6 {
             let mut longer = Vec::new();
             for schedule in &schedules {
                 for event in EVENTS {
@@ -382,7 +395,7 @@ mod tests {
             }
             schedules = longer;
         }
-        assert_eq!(tried, (1..=7).map(|n| 6_usize.pow(n)).sum::<usize>());
+        assert_eq!(tried, (1..=6).map(|n| 7_usize.pow(n)).sum::<usize>());
     }
 
     #[test]

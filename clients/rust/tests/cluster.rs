@@ -508,6 +508,17 @@ async fn failed_primary(stop: bool, policy: OnUnavailable) {
     assert!(load.most_allowed <= 23, "{}", load.most_allowed);
     // The deadline held (and a redirected call's time too).
     assert!(load.slowest < deadline * 2, "{:?}", load.slowest);
+    // The failed primary (killed, or a replica now) is no longer in the slot table: its
+    // prober ends and its back-off is forgotten, so the limiter no longer says it backs
+    // off.
+    let looked = Instant::now();
+    while limiter.backing_off() {
+        assert!(
+            looked.elapsed() < Duration::from_secs(3),
+            "backing off for a node the table no longer names"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

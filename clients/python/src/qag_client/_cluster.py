@@ -242,6 +242,15 @@ class Shards(Generic[NodeT]):
         with self._lock:
             return self.topology.owner(slot)
 
+    def names(self, name: str) -> bool:
+        """Whether calls may be routed to node ``name``: a single server's, or one the
+        slot table names (while the table is unknown, any)."""
+        topology = self.topology
+        if topology is None:
+            return True
+        with self._lock:
+            return not topology.known or name in topology.nodes()
+
     def troubled(self) -> Set[str]:
         """Nodes whose engine is backing off."""
         return {name for name, node in self._snapshot() if node.engine.backing_off}

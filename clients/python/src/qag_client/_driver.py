@@ -1037,13 +1037,20 @@ class Driver(Generic[LeaseT, ReservationT]):
 
     def _prober(self, node: Node) -> Driven[None]:
         """The back-off's prober (``Engine.probe`` when each probe is due, each in its
-        own time), until a probe answers or the limiter closes; one that ran across
-        closing closes what it connected."""
+        own time), until a probe answers, the limiter closes, or the cluster's table no
+        longer names the node; one that ran across closing closes what it connected."""
         engine = node.engine
         ended = False
         server = node
         try:
             while not self._closed:
+                if node.name != NO_OWNER and not self._shards.names(node.name):
+                    # A node the cluster's table no longer names (failed over, removed):
+                    # never probed again, its back-off forgotten with it (else the limiter
+                    # would say it backs off for as long as the node stays down).
+                    engine.forget_back_off()
+                    ended = True
+                    return
                 step = engine.prober_step()
                 if step is Probe.END:
                     ended = True

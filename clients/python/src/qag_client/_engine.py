@@ -520,6 +520,12 @@ class Engine:
         with self._lock:
             self.outage.prober_stopped()
 
+    def forget_back_off(self) -> None:
+        """Its node left the cluster's table: its back-off and local counts go with it."""
+        with self._lock:
+            self.outage.forget()
+            self.local.clear()
+
     def probe(self) -> Flow[bool]:
         """One probe of the back-off's prober: PING, which a server still loading its
         data or a replica cut off from its primary refuses (LOADING, MASTERDOWN: an

@@ -122,6 +122,13 @@ class Outage:
             self.wait = min(self.wait * 2, self.back_off)
             self.until = now + self.wait
 
+    def forget(self) -> None:
+        """The back-off is forgotten (the node it is of is no longer in the cluster's
+        table: a table that names it again sends calls to it afresh)."""
+        self.prober = False
+        self.until = None
+        self.cause = ""
+
     def prober_stopped(self) -> None:
         """The prober stopped before the back-off ended (cancelled, its limiter
         closed): the next call starts another."""
