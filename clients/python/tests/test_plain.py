@@ -399,6 +399,27 @@ def module_engine(**options: Any) -> Any:
     return engine
 
 
+def test_a_prober_that_cannot_start_leaves_the_next_call_to_try_again() -> None:
+    """The outage starts the back-off's prober; one that cannot start (no thread to be
+    had) is not left marked running, or no probe would ever end the back-off."""
+    from qag_client._policy import Route
+    from qag_client.decisions import BucketCall
+
+    engine = module_engine()
+    started: List[str] = []
+
+    def refused() -> None:
+        started.append("tried")
+        raise RuntimeError("can't start new thread")
+
+    engine.start_prober = refused
+    call = BucketCall.on(Bucket("k", 5, 60), 1)
+    failed, _ = drive(engine.take(call, None), lambda _, n: QagUnavailable("refused"))
+    assert isinstance(failed, QagUnavailable), "the policy's answer, not the thread's error"
+    assert started == ["tried"] and engine.backing_off
+    assert engine.outage.route() is Route.START_PROBER, "the next call tries again"
+
+
 def test_a_dropped_connection_replays_a_call_with_an_id_once() -> None:
     from qag_client._engine import ConnectionDropped
     from qag_client.decisions import BucketCall

@@ -160,8 +160,10 @@ impl Topology {
         })
     }
 
+    /// Whether the table (or a MOVED reply since it was read) names `node` a primary.
     pub(crate) fn names(&self, node: &str) -> bool {
         self.ranges.iter().any(|(_, _, owner)| owner == node)
+            || self.moved.iter().any(|(_, owner)| owner == node)
     }
 
     /// Every primary the table names, each once.

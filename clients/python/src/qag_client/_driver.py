@@ -95,6 +95,9 @@ DEFAULT_MAX_CONNECTIONS = 100
 # How long a call whose deadline passed while waiting for a connection waits on for the
 # verdict of a holder that is past its own deadline.
 OVERDUE_GRACE = 0.05
+# A prober waiting for its next probe looks at least this often (seconds) whether the
+# cluster's table still names its node (closing stops it at once).
+PROBER_WAKE = 1.0
 # The wait before a request answered TRYAGAIN (a slot in migration) is sent again.
 TRY_AGAIN_WAIT = 0.01
 # The least a spend call's own id is remembered (its KEEP, seconds).
@@ -530,7 +533,8 @@ class Driver(Generic[LeaseT, ReservationT]):
             node = Node(name, ((own, gate), waiting), engine, epoch)
 
             def start_prober() -> None:
-                self._spawn(self._prober(node), f"qag-prober {name}")
+                if not self._closed:  # a closed limiter's calls keep to the policy
+                    self._spawn(self._prober(node), f"qag-prober {name}")
 
             engine.start_prober = start_prober
             return node
@@ -1056,7 +1060,7 @@ class Driver(Generic[LeaseT, ReservationT]):
                     ended = True
                     return
                 if step is not Probe.NOW:
-                    yield Sleep(step)  # closing stops it (a thread's wait, a task)
+                    yield Sleep(min(step, PROBER_WAKE))
                     continue
                 if node.name == NO_OWNER and self._shards.topology is not None:
                     # The calls no node serves are probed on a node of the table, or a

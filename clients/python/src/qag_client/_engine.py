@@ -11,6 +11,7 @@ deadline, for both limiters; neither decides anything itself. Clocks are argumen
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -50,6 +51,8 @@ from .decisions import (
     TakenWithQuota,
 )
 from .local import LocalBuckets, LocalState, period, share_of
+
+log = logging.getLogger("qag_client")
 
 BACKENDS = ("auto", "module", "script")
 DEFAULT_WINDOW = 60
@@ -480,7 +483,7 @@ class Engine:
             route = self.outage.route()
             generation = self.outage.generation
         if route is Route.START_PROBER:
-            self.start_prober()
+            self._start_prober()
         if route is not Route.REDIS:
             return self._by_policy(fallback, None)
         try:
@@ -492,7 +495,7 @@ class Engine:
                 self.presence = "unknown"  # a restart or failover: ask the next server
                 started = self.outage.failed(False, self.monotonic(), str(error))
             if started:
-                self.start_prober()
+                self._start_prober()
             self.on_outage()
             return self._by_policy(fallback, error)
         except Overtaken:
@@ -510,6 +513,16 @@ class Engine:
         with self._lock:
             self.tally.count(getattr(answer, "answered_by", "module"))
         return answer
+
+    def _start_prober(self) -> None:
+        """Starts the back-off's prober; one that cannot start (no thread to be had)
+        leaves the next call to try again, and the call keeps to the policy."""
+        try:
+            self.start_prober()
+        except Exception as error:
+            with self._lock:
+                self.outage.prober_stopped()
+            log.warning("qag: the back-off's prober did not start: %s", error)
 
     def prober_step(self) -> Union[Probe, float]:
         """The back-off's prober's next step: probe now, end, or wait that long."""
