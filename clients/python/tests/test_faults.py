@@ -24,7 +24,9 @@ checked against what the callers saw:
   policy's (it is "raise"); the gateway answers 200, 429 or 503, nothing else;
 - a second after the last call ended, no slot is held in Redis (the library's TTL is
   3 s, the gateway's 30 s): every lease that was granted, whether its caller saw the
-  grant or not, was given back.
+  grant or not, was given back;
+- once the faults end, both limiters' back-offs end by themselves, with no call:
+  their probers find the server answering.
 
 ``QAG_FAULT_SECONDS`` (default 12) bounds the run, ``QAG_FAULT_SEED`` replays a schedule
 (the faults in the same order; their timing against the calls varies); a failure names
@@ -74,6 +76,10 @@ QUEUE = DEADLINE
 # machine's scheduling, never a round trip more.
 SLACK = 0.25
 BACK_OFF = 0.5
+# A back-off's prober ends it within a probe's time (the back-off, at most 2 s, at least
+# the deadline: one out when the faults end) and a back-off (the next) once the server
+# answers, whether calls come or not; and a second for a loaded machine.
+PROBED_BY = max(min(BACK_OFF, 2.0), DEADLINE) + BACK_OFF + 1.0
 ASYNC_CALLERS = 16
 SYNC_CALLERS = 4
 CALLERS = ASYNC_CALLERS + SYNC_CALLERS
@@ -255,6 +261,7 @@ def faulted_run(
     limiter = Limiter(
         redis.Redis.from_url(url), deadline=DEADLINE, on_unavailable="raise", back_off=BACK_OFF
     )
+    blocking = limiter
     threads = [
         threading.Thread(
             target=sync_caller,
@@ -293,9 +300,19 @@ def faulted_run(
             # Every lease granted, seen or not, given back (the TTL would free it at 3 s):
             # the limiters stay open meanwhile, their background releases running.
             await asyncio.sleep(1)
-            return ended, await asyncio.to_thread(left_in_redis)
+            left = await asyncio.to_thread(left_in_redis)
+            return ended, left + await back_offs_left(limiter, ended)
         finally:
             await limiter.aclose()
+
+    async def back_offs_left(async_limiter: AsyncLimiter, ended: float) -> List[str]:
+        """The back-offs end by themselves: no call comes once the faults have ended, and
+        each limiter's prober finds the healed server answering within ``PROBED_BY``."""
+        while async_limiter.backing_off or blocking.backing_off:
+            if time.monotonic() - ended > PROBED_BY:
+                return [f"still backing off {PROBED_BY:g} s after the faults ended, no call"]
+            await asyncio.sleep(0.02)
+        return []
 
     def left_in_redis() -> List[str]:
         if failed:

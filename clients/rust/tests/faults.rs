@@ -21,6 +21,8 @@
 //! - every error is an outage's (`Timeout`, `Unavailable`, `Busy`): nothing else, and
 //!   no failure answered as allowed (the policy is `Raise`); the gateway answers 200,
 //!   429 or 503, nothing else;
+//! - once the faults end, the limiter's back-off ends by itself, with no call (its
+//!   prober finds the server answering);
 //! - a second after the last call ended, no slot is held in Redis (the library's TTL is
 //!   3 s, the gateway's 30 s): every lease that was granted, whether its caller saw the
 //!   grant or not, was given back.
@@ -200,7 +202,12 @@ async fn the_clients_promises_hold_under_a_random_schedule_of_faults() {
     let ended = Instant::now();
 
     let findings = check(&record, ended, anchor);
-    let findings = [findings, left_behind(&record, &[&server]).await].concat();
+    let findings = [
+        findings,
+        left_behind(&record, &[&server]).await,
+        back_off_left(&limiter, ended).await,
+    ]
+    .concat();
     drop(gateway);
     let _ = std::fs::remove_file(&gateway_log);
     let swallowed = format!("{} replies swallowed", proxy.swallowed());
@@ -259,7 +266,12 @@ async fn the_clients_promises_hold_on_a_cluster_under_a_random_schedule_of_fault
     let ended = Instant::now();
     let findings = check(&record, ended, anchor);
     let primaries: Vec<&Server> = nodes.iter().filter(|node| role(node) == "master").collect();
-    let findings = [findings, left_behind(&record, &primaries).await].concat();
+    let findings = [
+        findings,
+        left_behind(&record, &primaries).await,
+        back_off_left(&limiter, ended).await,
+    ]
+    .concat();
     report(
         seed,
         run,
@@ -308,6 +320,28 @@ async fn left_behind(record: &Record, servers: &[&Server]) -> Vec<String> {
         ));
     }
     findings
+}
+
+/// The back-off ends by itself: no call comes once the faults have ended, and the
+/// limiter's prober finds the healed server answering within a probe's time (the
+/// back-off, at most 2 s, at least the deadline: one out when the faults end), the next
+/// back-off and a second for a loaded machine.
+async fn back_off_left<C>(limiter: &Limiter<C>, ended: Instant) -> Vec<String>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let back_off = limiter.options().back_off;
+    let probed_by =
+        back_off.min(Duration::from_secs(2)).max(DEADLINE) + back_off + Duration::from_secs(1);
+    while limiter.backing_off() {
+        if ended.elapsed() > probed_by {
+            return vec![format!(
+                "still backing off {probed_by:?} after the faults ended, no call"
+            )];
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Vec::new()
 }
 
 /// The run's line, and its failure with the seed and the faults.
