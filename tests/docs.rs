@@ -7,10 +7,124 @@
 //! more digits (a Unix time in seconds or milliseconds) stands for any such integer,
 //! and in a text reply (INFO) the digits of a `name:value` line stand for any digits
 //! and a line `...` for any lines after it.
+//!
+//! And every link between the pages resolves: its file exists, and its anchor is a
+//! heading of that page (as GitHub makes anchors) or an `<a id>` of it.
 
 mod common;
 
 use common::*;
+
+/// README.md and docs/*.md, sorted.
+fn pages() -> Vec<std::path::PathBuf> {
+    let root = repository_root();
+    let mut pages = vec![root.join("README.md")];
+    let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    pages.extend(docs);
+    pages
+}
+
+/// A heading's anchor as GitHub makes it: lowercase, only letters, digits, `_` and `-`
+/// kept, spaces made `-`.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | ' '))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors a page defines: its headings' (outside code blocks) and its `<a id>`s.
+fn anchors(page: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut fenced = false;
+    for line in page.lines() {
+        if line.starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        let hashes = line.len() - line.trim_start_matches('#').len();
+        if (1..=6).contains(&hashes) && line[hashes..].starts_with(' ') {
+            found.push(anchor_of(&line[hashes..]));
+        }
+        for (at, _) in line.match_indices("<a id=\"") {
+            let rest = &line[at + 7..];
+            if let Some(end) = rest.find('"') {
+                found.push(rest[..end].to_owned());
+            }
+        }
+    }
+    found
+}
+
+/// The targets of a page's Markdown links (`](target)`) that are not URLs.
+fn local_links(page: &str) -> Vec<&str> {
+    page.match_indices("](")
+        .filter_map(|(at, _)| {
+            let rest = &page[at + 2..];
+            let end = rest.find([')', ' ', '\n'])?;
+            Some(&rest[..end])
+        })
+        .filter(|target| !target.contains("://") && !target.starts_with("mailto:"))
+        .collect()
+}
+
+#[test]
+fn every_link_between_the_pages_resolves() {
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).unwrap();
+        for target in local_links(&text) {
+            let (file, anchor) = target.split_once('#').unwrap_or((target, ""));
+            let destination = if file.is_empty() {
+                page.clone()
+            } else {
+                page.parent().unwrap().join(file)
+            };
+            checked += 1;
+            if !destination.exists() {
+                broken.push(format!("{}: {target}: no such file", page.display()));
+            } else if !anchor.is_empty() && destination.extension().is_some_and(|e| e == "md") {
+                let defined = anchors(&std::fs::read_to_string(&destination).unwrap());
+                if !defined.iter().any(|defined| defined == anchor) {
+                    broken.push(format!("{}: {target}: no such anchor", page.display()));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    assert!(checked >= 100, "only {checked} links found in the docs");
+}
+
+#[test]
+fn anchors_are_made_as_github_makes_them() {
+    assert_eq!(anchor_of(" Rust: qag-client"), "rust-qag-client");
+    assert_eq!(
+        anchor_of("A model API's window chain"),
+        "a-model-apis-window-chain"
+    );
+    assert_eq!(
+        anchor_of("QAG.THROTTLE key max_burst count period [quantity] [WAIT ms]"),
+        "qagthrottle-key-max_burst-count-period-quantity-wait-ms"
+    );
+    let page = "# Title\n```\n# not a heading\n```\n<a id=\"kept\"></a>\n## Two words\n";
+    assert_eq!(anchors(page), ["title", "kept", "two-words"]);
+    assert_eq!(
+        local_links("[a](b.md#c) [d](https://e) [f](#g)"),
+        ["b.md#c", "#g"]
+    );
+}
 
 /// One `> COMMAND` and the reply lines shown under it.
 struct Call {
@@ -128,17 +242,8 @@ fn every_reply_the_docs_show_is_the_servers() {
     if external("every_reply_the_docs_show_is_the_servers") {
         return;
     }
-    let root = repository_root();
-    let mut pages = vec![root.join("README.md")];
-    let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
-        .unwrap()
-        .map(|entry| entry.unwrap().path())
-        .filter(|path| path.extension().is_some_and(|e| e == "md"))
-        .collect();
-    docs.sort();
-    pages.extend(docs);
     let mut checked = 0;
-    for page in pages {
+    for page in pages() {
         let text = std::fs::read_to_string(&page).unwrap();
         let calls = calls(&text);
         if calls.is_empty() {

@@ -18,7 +18,7 @@ MONTHLY = Quota("month", "Europe/Berlin", calls=100_000)
 
 def buckets(address: str, workspace: str, name: str) -> Tuple[Bucket, Bucket]:
     # The address's own bucket, across every key it uses, and the key's: no hash tag
-    # in common (in a cluster they are two calls, see docs/clients.md).
+    # in common (in a cluster they are two calls, see docs/clients.md#redis-cluster).
     return (
         Bucket.named("client", 20, 1, address),  # qag:ratelimit:client:20/1:203.0.113.9
         Bucket.named("key", 100, 60, f"{workspace}~{name}"),  # ...:key:100/60:acme~partner

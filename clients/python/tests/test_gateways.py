@@ -79,7 +79,7 @@ def leases(server: Server, key: str) -> int:
 
 
 def test_the_readme_shows_the_example_verbatim() -> None:
-    readme = (REPOSITORY / "docs" / "clients.md").read_text()
+    readme = (REPOSITORY / "docs" / "python-client.md").read_text()
     text = EXAMPLE.read_text()
     shown = text[text.index("import argparse") : text.index("def parse_args")].rstrip()
     assert f"```python\n{shown}\n```\n" in readme

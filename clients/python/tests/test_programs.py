@@ -1,4 +1,4 @@
-"""The Python example of docs/clients.md is examples/gateway.py verbatim, it runs,
+"""The Python example of docs/python-client.md is examples/gateway.py verbatim, it runs,
 and its names limit one address across every key it uses by the address's own
 bucket."""
 
@@ -29,7 +29,7 @@ def load_example() -> ModuleType:
 
 
 def test_the_readme_shows_the_example_verbatim() -> None:
-    readme = (REPOSITORY / "docs" / "clients.md").read_text()
+    readme = (REPOSITORY / "docs" / "python-client.md").read_text()
     assert f"```python\n{EXAMPLE.read_text()}```\n" in readme
 
 

@@ -1,4 +1,4 @@
-//! The example programs, run as a user runs them, and docs/clients.md's Rust example, which
+//! The example programs, run as a user runs them, and docs/rust-client.md's Rust example, which
 //! must be examples/gateway.rs verbatim (so the docs' code is compiled).
 
 #[path = "../../../tests/common/mod.rs"]
@@ -119,7 +119,7 @@ fn the_take_example_prints_one_line() {
     assert!(text(&usage.stderr).contains("usage: take"));
 }
 
-/// docs/clients.md's tower example is examples/tower_layer.rs verbatim, and it runs: a
+/// docs/rust-client.md's tower example is examples/tower_layer.rs verbatim, and it runs: a
 /// request with a key is answered with the headers of its limits, its quota's among
 /// them.
 #[test]
@@ -127,10 +127,10 @@ fn the_tower_example_runs_and_is_the_readmes() {
     let source =
         std::fs::read_to_string(repository_root().join("clients/rust/examples/tower_layer.rs"))
             .unwrap();
-    let readme = std::fs::read_to_string(repository_root().join("docs/clients.md")).unwrap();
+    let readme = std::fs::read_to_string(repository_root().join("docs/rust-client.md")).unwrap();
     assert!(
         readme.contains(&format!("```rust\n{source}```\n")),
-        "docs/clients.md's tower example is not clients/rust/examples/tower_layer.rs verbatim"
+        "docs/rust-client.md's tower example is not clients/rust/examples/tower_layer.rs verbatim"
     );
     if external("the_tower_example_runs_and_is_the_readmes") {
         return;
@@ -191,10 +191,10 @@ fn the_gateway_example_runs_and_is_the_readmes() {
     let source =
         std::fs::read_to_string(repository_root().join("clients/rust/examples/gateway.rs"))
             .unwrap();
-    let readme = std::fs::read_to_string(repository_root().join("docs/clients.md")).unwrap();
+    let readme = std::fs::read_to_string(repository_root().join("docs/rust-client.md")).unwrap();
     assert!(
         readme.contains(&format!("```rust\n{source}```\n")),
-        "docs/clients.md's Rust gateway example is not clients/rust/examples/gateway.rs verbatim"
+        "docs/rust-client.md's Rust gateway example is not clients/rust/examples/gateway.rs verbatim"
     );
     if external("the_gateway_example_runs_and_is_the_readmes") {
         return;

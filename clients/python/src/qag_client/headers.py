@@ -1,6 +1,6 @@
 """The response header fields for a request's decisions: the same fields, values and
 order as the Rust client's ``Headers`` (both are tested against
-``clients/shared_cases.json``). See docs/clients.md for each field: the buckets'
+``clients/shared_cases.json``). See docs/clients.md (Response headers) for each field: the buckets'
 ``x-ratelimit-*``, the quota's ``x-quota-*``, a window chain's OpenAI-style
 ``x-ratelimit-*-requests`` and ``-tokens``, draft-ietf-httpapi-ratelimit-headers-11's
 ``ratelimit-policy`` and ``ratelimit`` (one item per limit), and ``retry-after``."""
